@@ -1,0 +1,151 @@
+"""Durable storage of what the exporter was told: SQLite, committed before any 2xx answer.
+
+Only inputs are stored (each deployment's static config and instance, each
+engine's latest ready response); the synced config is derived from them again
+on load, so a fix to the sync rules applies to stored data too.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# "CCEX": marks a file as ours, so a foreign SQLite file is never written to.
+APPLICATION_ID = 0x43434558
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS deployments (
+    name TEXT PRIMARY KEY,
+    static_config BLOB NOT NULL,
+    instance_id TEXT
+);
+CREATE TABLE IF NOT EXISTS engines (
+    deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
+    engine INTEGER NOT NULL,
+    response BLOB NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (deployment, engine)
+);
+"""
+
+
+class StorageError(RuntimeError):
+    """The store cannot be opened or written; the message says why."""
+
+
+@dataclass
+class StoredDeployment:
+    """One deployment as stored: raw inputs, not yet decoded."""
+
+    name: str
+    static_config: bytes
+    instance_id: str | None
+    engines: dict[int, tuple[bytes, float]] = field(default_factory=dict)
+
+
+class Store:
+    """A single SQLite file in WAL mode with ``synchronous=FULL``: a commit survives power loss."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5.0)
+            self._check_foreign()
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            with self.transaction():
+                for statement in filter(str.strip, _SCHEMA.split(";")):
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except (sqlite3.Error, OSError) as error:
+            raise StorageError(f"cannot open storage {path}: {error}") from None
+
+    def _check_foreign(self) -> None:
+        """Refuse a file that is not SQLite, or is another program's SQLite database."""
+        application_id = self._db.execute("PRAGMA application_id").fetchone()[0]
+        tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if application_id == APPLICATION_ID:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StorageError(f"{self.path} has schema version {version}, newer than this exporter's")
+        elif application_id != 0 or tables:
+            raise StorageError(f"{self.path} is a database of another program; refusing to touch it")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One immediate transaction: committed on success, rolled back on any error."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def load(self) -> list[StoredDeployment]:
+        """Every stored deployment with its engines."""
+        deployments = {
+            name: StoredDeployment(name, static_config, instance_id)
+            for name, static_config, instance_id in self._db.execute(
+                "SELECT name, static_config, instance_id FROM deployments ORDER BY name"
+            )
+        }
+        for name, engine, response, received_at in self._db.execute(
+            "SELECT deployment, engine, response, received_at FROM engines"
+        ):
+            deployments[name].engines[engine] = (response, received_at)
+        return list(deployments.values())
+
+    def save_ready(
+        self,
+        deployment: str,
+        static_config: bytes,
+        instance_id: str | None,
+        engine: int,
+        response: bytes,
+        received_at: float,
+        restarted: bool,
+    ) -> None:
+        """Store one engine's response; on a restart, the previous run's engines go in the same commit."""
+        with self.transaction() as db:
+            self._upsert_deployment(db, deployment, static_config, instance_id)
+            if restarted:
+                db.execute("DELETE FROM engines WHERE deployment = ?", (deployment,))
+            db.execute(
+                "INSERT OR REPLACE INTO engines (deployment, engine, response, received_at) VALUES (?, ?, ?, ?)",
+                (deployment, engine, response, received_at),
+            )
+
+    def save_static_config(self, deployment: str, static_config: bytes, instance_id: str | None) -> None:
+        with self.transaction() as db:
+            self._upsert_deployment(db, deployment, static_config, instance_id)
+
+    def delete_deployment(self, deployment: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM deployments WHERE name = ?", (deployment,))
+
+    def delete_engine(self, deployment: str, engine: int) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM engines WHERE deployment = ? AND engine = ?", (deployment, engine))
+
+    def integrity_ok(self) -> bool:
+        return self._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+    def close(self) -> None:
+        self._db.close()
+
+    @staticmethod
+    def _upsert_deployment(db: sqlite3.Connection, name: str, static_config: bytes, instance_id: str | None) -> None:
+        db.execute(
+            "INSERT INTO deployments (name, static_config, instance_id) VALUES (?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET "
+            "static_config = excluded.static_config, instance_id = excluded.instance_id",
+            (name, static_config, instance_id),
+        )

@@ -1,0 +1,35 @@
+"""Errors the protocol raises, each naming the field at fault so the HTTP layer can say which."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
+
+
+class InvalidPayload(ValueError):
+    """Data that does not fit the schema; ``field`` is a path such as ``$.block_size``."""
+
+    def __init__(self, field: str, reason: str, malformed: bool = False) -> None:
+        super().__init__(f"{reason} (at {field})")
+        self.field = field
+        self.reason = reason
+        # Not even well-formed msgpack/JSON/TOML, as opposed to well-formed data of the wrong shape.
+        self.malformed = malformed
+
+    @classmethod
+    def from_msgspec(cls, error: msgspec.DecodeError) -> InvalidPayload:
+        """Split msgspec's ``"reason - at `$.path`"`` message into path and reason."""
+        reason, marker, path = str(error).rpartition(" - at `")
+        path = path.rstrip("`") if marker else "$"
+        reason = reason if marker else str(error)
+        unknown = _UNKNOWN_FIELD.fullmatch(reason)
+        if unknown:
+            path = f"{path}.{unknown.group(1)}"
+        return cls(path, reason, malformed=not isinstance(error, msgspec.ValidationError))
+
+
+class SyncConflict(InvalidPayload):
+    """Engines of one deployment contradict each other where vLLM requires them to agree."""
