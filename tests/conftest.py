@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from exporter.service import create_app
+from exporter.settings import Settings
+from tests.support import ExporterProcess
+
+
+@pytest.fixture
+def make_client(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
+    """Build the real ASGI app on a fresh SQLite file and registry; keyword arguments go to ``Settings``."""
+    clients: list[TestClient] = []
+
+    def make(**settings: object) -> TestClient:
+        settings.setdefault("storage_path", tmp_path / "exporter.db")
+        client = TestClient(create_app(Settings(**settings), registry=CollectorRegistry()))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(make_client: Callable[..., TestClient]) -> TestClient:
+    return make_client()
+
+
+@pytest.fixture
+def start_exporter(tmp_path: Path) -> Iterator[Callable[..., ExporterProcess]]:
+    """Start real exporter processes (``storage`` defaults to a file in this test's temp dir)."""
+    processes: list[ExporterProcess] = []
+
+    def start(*args: str, storage: Path | None = None, env: dict[str, str] | None = None) -> ExporterProcess:
+        process = ExporterProcess(storage or tmp_path / "exporter.db", *args, env=env).start()
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        process.stop()
