@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
 
 from exporter import __version__
@@ -56,6 +57,15 @@ EngineIndex = Annotated[
 ]
 
 _json = msgspec.json.Encoder()
+
+
+class _AnyTextConvertor(PathConvertor):
+    """Starlette's ``path`` convertor, but matching newlines too, so that such a name gets a 422, not a 404."""
+
+    regex = "(?s:.+)"
+
+
+register_url_convertor("name", _AnyTextConvertor())
 
 
 def _json_response(value: object, status_code: int = 200) -> Response:
@@ -167,11 +177,11 @@ def create_app(
     async def post_default_ready(request: Request, engine: EngineIndex = None) -> Response:
         return await ingest("default", request, engine)
 
-    @app.post("/api/v1/deployments/{deployment:path}/ready", summary="Ingest one engine's ready response")
+    @app.post("/api/v1/deployments/{deployment:name}/ready", summary="Ingest one engine's ready response")
     async def post_ready(deployment: str, request: Request, engine: EngineIndex = None) -> Response:
         return await ingest(deployment, request, engine)
 
-    @app.put("/api/v1/deployments/{deployment:path}/cache-config", summary="Set a deployment's static cache config")
+    @app.put("/api/v1/deployments/{deployment:name}/cache-config", summary="Set a deployment's static cache config")
     async def put_cache_config(deployment: str, request: Request) -> Response:
         _check_deployment_name(deployment)
         _wire_format(request, {"application/json": JSON})
@@ -188,7 +198,7 @@ def create_app(
     async def list_deployments() -> Response:
         return _json_response([view(deployment) for deployment in state.snapshot()])
 
-    @app.delete("/api/v1/deployments/{deployment:path}/engines/{engine}", summary="Forget one engine")
+    @app.delete("/api/v1/deployments/{deployment:name}/engines/{engine}", summary="Forget one engine")
     async def delete_engine(deployment: str, engine: int) -> Response:
         found(deployment)
         try:
@@ -201,11 +211,11 @@ def create_app(
             )
         return _json_response(view(result))
 
-    @app.get("/api/v1/deployments/{deployment:path}", summary="One deployment's synced state")
+    @app.get("/api/v1/deployments/{deployment:name}", summary="One deployment's synced state")
     async def get_deployment(deployment: str) -> Response:
         return _json_response(view(found(deployment)))
 
-    @app.delete("/api/v1/deployments/{deployment:path}", summary="Forget a deployment and its engines", status_code=204)
+    @app.delete("/api/v1/deployments/{deployment:name}", summary="Forget a deployment and its engines", status_code=204)
     async def delete_deployment(deployment: str) -> Response:
         found(deployment)
         try:

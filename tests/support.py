@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-ready"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -113,3 +115,21 @@ class ExporterProcess:
     def restart(self) -> ExporterProcess:
         self.stop()
         return self.start()
+
+
+MSGPACK = {"Content-Type": "application/vnd.msgpack"}
+
+
+def samples(exposition: str, name: str) -> list[Sample]:
+    """Every sample named ``name`` (e.g. ``..._total`` for a counter) in a Prometheus text exposition."""
+    families = text_string_to_metric_families(exposition)
+    return [sample for family in families for sample in family.samples if sample.name == name]
+
+
+def info_labels(exposition: str, deployment: str, name: str = "cache_config_info") -> dict[str, dict[str, str]]:
+    """``cache_config_info`` label sets of one deployment, by engine."""
+    return {
+        sample.labels["engine"]: sample.labels
+        for sample in samples(exposition, name)
+        if sample.labels["deployment"] == deployment
+    }

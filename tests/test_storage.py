@@ -1,0 +1,77 @@
+"""Durability: what was acknowledged is on disk, and a file that is not ours is never touched."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from exporter.storage import StorageError, Store
+from tests.support import MSGPACK, fixture_bytes, samples
+
+
+def cache_config_samples(client: TestClient) -> list:
+    exposition = client.get("/metrics").text
+    return sorted(
+        (sample.name, sorted(sample.labels.items()), sample.value)
+        for name in ("cache_config_info", "cache_config_block_size", "cache_config_num_gpu_blocks",
+                     "cache_config_last_update_timestamp_seconds")
+        for sample in samples(exposition, name)
+    )  # fmt: skip
+
+
+def test_a_new_app_on_the_same_file_publishes_the_same_series(
+    make_client: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    first = make_client()
+    for name in ("dp2-rank0", "dp2-rank1"):
+        assert first.post("/api/v1/deployments/dp/ready", content=fixture_bytes(name), headers=MSGPACK).is_success
+    first.put("/api/v1/deployments/dp/cache-config", json={"mamba_cache_mode": "align"})
+    first.post("/api/v1/deployments/old/ready?engine=1", content=fixture_bytes("minimal-pre42967"), headers=MSGPACK)
+    before_series, before_state = cache_config_samples(first), first.get("/api/v1/deployments").json()
+    first.__exit__(None, None, None)
+
+    second = make_client()
+    assert cache_config_samples(second) == before_series
+    assert second.get("/api/v1/deployments").json() == before_state
+    assert len(before_series) == 12
+
+
+def test_the_store_passes_integrity_check_and_keeps_only_inputs(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.save_ready("d", b"{}", "run", 0, fixture_bytes("dense-post50809"), 1.0, restarted=True)
+    store.save_ready("d", b"{}", "run", 1, fixture_bytes("dense-post50809"), 2.0, restarted=False)
+    store.save_ready("d", b"{}", "run2", 0, fixture_bytes("dense-post50809"), 3.0, restarted=True)
+    assert store.integrity_ok()
+    [deployment] = store.load()
+    assert deployment.instance_id == "run2"
+    assert set(deployment.engines) == {0}
+    store.close()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_foreign_sqlite_database_is_refused_and_untouched(tmp_path: Path) -> None:
+    foreign = tmp_path / "other.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER)")
+    db.close()
+    digest = _digest(foreign)
+    with pytest.raises(StorageError, match="another program"):
+        Store(foreign)
+    assert _digest(foreign) == digest
+
+
+def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path: Path) -> None:
+    junk = tmp_path / "notes.db"
+    junk.write_bytes(b"these are my notes, not a database\n" * 100)
+    digest = _digest(junk)
+    with pytest.raises(StorageError, match="not a database"):
+        Store(junk)
+    assert _digest(junk) == digest
