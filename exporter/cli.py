@@ -16,13 +16,23 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from exporter import __version__
-from exporter.settings import DEFAULT_PORT, Settings, SettingsError, default_storage_path, split_listen_address
-from exporter.storage import StorageError
+from exporter.settings import (
+    DEFAULT_PORT,
+    SETTINGS_ENVIRONMENT,
+    Settings,
+    SettingsError,
+    default_storage_path,
+    read_secret,
+    split_listen_address,
+)
+from exporter.storage import StorageError, Store
 
 ENV_PREFIX = "CACHE_CONFIG_EXPORTER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+_TRUE = ("1", "true", "yes", "on")
 
 
 def env_name(flag: str) -> str:
@@ -30,16 +40,25 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace(".", "_").replace("-", "_").upper()
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, help_text: str, default: object = None, **kwargs: object) -> None:
+def _add(parser: argparse.ArgumentParser, flag: str, help_text: str, default: object = None, **kwargs: Any) -> None:
     """A flag whose default comes from its environment variable, then from ``default``."""
     variable = env_name(flag)
+    dest = variable.removeprefix(ENV_PREFIX).lower()
+    if kwargs.pop("switch", False):
+        enabled = os.environ.get(variable, "").lower() in _TRUE
+        parser.add_argument(flag, dest=dest, action="store_true", default=enabled, help=f"{help_text} (env {variable})")
+        return
     parser.add_argument(
         flag,
-        dest=variable.removeprefix(ENV_PREFIX).lower(),
+        dest=dest,
         default=os.environ.get(variable, default),
         help=f"{help_text} (env {variable}; default: %(default)s)",
         **kwargs,
     )
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the exporter")
-    _add(
-        serve, "--web.listen-address", "HOST:PORT to listen on (:PORT for every interface)", f"127.0.0.1:{DEFAULT_PORT}"
-    )
+    _add(serve, "--web.listen-address", "HOST:PORT to listen on (:PORT: every interface)", f"127.0.0.1:{DEFAULT_PORT}")
     _add(serve, "--web.telemetry-path", "path of the metrics", "/metrics")
+    _add(serve, "--web.workers", "worker processes sharing the storage", 1, type=int)
+    _add(serve, "--web.ingest-token-file", "file with the bearer token that ingest and changes require")
+    _add(
+        serve,
+        "--web.allow-unauthenticated-ingest",
+        "allow ingest without a token on a non-loopback address",
+        switch=True,
+    )
+    _add(serve, "--web.metrics-token-file", "file with a bearer token that reading metrics and state requires")
+    _add(serve, "--web.metrics-basic-auth-file", "file of USER:PASSWORD lines allowed to read metrics and state")
+    _add(serve, "--web.tls-cert-file", "TLS certificate (PEM); with --web.tls-key-file, serve HTTPS")
+    _add(serve, "--web.tls-key-file", "TLS private key (PEM)")
+    _add(serve, "--web.max-request-bytes", "largest request body accepted", 64 * 1024, type=int)
+    _add(serve, "--web.read-timeout", "seconds a client may take to send a request body", 10.0, type=float)
+    _add(serve, "--web.max-connections", "concurrent connections before new ones get 503", 1024, type=int)
+    _add(serve, "--limits.deployments", "most deployments kept", 10_000, type=int)
+    _add(serve, "--limits.engines-per-deployment", "most engines kept per deployment", 1_024, type=int)
     _add(serve, "--storage.path", "SQLite file that keeps every accepted ready response", str(default_storage_path()))
     _add(serve, "--cache-config.file", "JSON, TOML or YAML file with the base cache config of every deployment")
     _add(serve, "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)", "")
@@ -65,43 +99,71 @@ def build_parser() -> argparse.ArgumentParser:
     _add(push, "--url", "base URL of the exporter", f"http://127.0.0.1:{DEFAULT_PORT}")
     _add(push, "--deployment", "deployment the engine belongs to", "default")
     _add(push, "--engine", "engine index, for payloads without data_parallel_rank", type=int)
+    _add(push, "--token-file", "file with the exporter's ingest bearer token")
     _add(push, "--timeout", "seconds to wait for the exporter", 10.0, type=float)
     return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(
+        listen_address=args.web_listen_address,
+        telemetry_path=args.web_telemetry_path,
+        storage_path=Path(args.storage_path),
+        cache_config_file=_path(args.cache_config_file),
+        metric_prefix=args.metric_prefix,
+        log_level=args.log_level,
+        workers=args.web_workers,
+        ingest_token_file=_path(args.web_ingest_token_file),
+        allow_unauthenticated_ingest=args.web_allow_unauthenticated_ingest,
+        metrics_token_file=_path(args.web_metrics_token_file),
+        metrics_basic_auth_file=_path(args.web_metrics_basic_auth_file),
+        tls_cert_file=_path(args.web_tls_cert_file),
+        tls_key_file=_path(args.web_tls_key_file),
+        max_request_bytes=args.web_max_request_bytes,
+        read_timeout_seconds=args.web_read_timeout,
+        max_connections=args.web_max_connections,
+        max_deployments=args.limits_deployments,
+        max_engines_per_deployment=args.limits_engines_per_deployment,
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from exporter.security import Credentials
     from exporter.service import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = Settings(
-            listen_address=args.web_listen_address,
-            telemetry_path=args.web_telemetry_path,
-            storage_path=Path(args.storage_path),
-            cache_config_file=Path(args.cache_config_file) if args.cache_config_file else None,
-            metric_prefix=args.metric_prefix,
-            log_level=args.log_level,
-        )
-        app = create_app(settings)
+        settings = settings_from(args)
+        if settings.workers == 1:
+            app: Any = create_app(settings)
+        else:
+            # Each worker builds its own app; check here what would stop them all.
+            Credentials.from_settings(settings)
+            settings.base_config()
+            Store(settings.storage_path).close()
+            os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
+            app = "exporter.service:create_app_from_environment"
     except (SettingsError, StorageError) as error:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
         return 2
     host, port = split_listen_address(settings.listen_address)
     logging.getLogger("cache_config_exporter").info(
-        "listening on %s, storage %s, metrics at %s",
-        settings.listen_address,
-        settings.storage_path,
-        settings.telemetry_path,
+        "listening on %s (%d worker(s)), storage %s", settings.listen_address, settings.workers, settings.storage_path
     )
     uvicorn.run(
         app,
+        factory=settings.workers > 1,
+        workers=settings.workers,
         host=host,
         port=port,
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         server_header=False,
+        limit_concurrency=settings.max_connections,
+        ssl_certfile=settings.tls_cert_file,
+        ssl_keyfile=settings.tls_key_file,
     )
     return 0
 
@@ -109,15 +171,22 @@ def serve(args: argparse.Namespace) -> int:
 def push(args: argparse.Namespace) -> int:
     try:
         body = args.file.read_bytes()
+        headers = {
+            "Content-Type": "application/json" if args.file.suffix.lower() == ".json" else "application/vnd.msgpack"
+        }
+        if args.token_file:
+            headers["Authorization"] = f"Bearer {read_secret('--token-file', Path(args.token_file))}"
     except OSError as error:
         print(f"cache-config-exporter push: {args.file}: {error.strerror}", file=sys.stderr)
         return 2
-    content_type = "application/json" if args.file.suffix.lower() == ".json" else "application/vnd.msgpack"
+    except SettingsError as error:
+        print(f"cache-config-exporter push: {error}", file=sys.stderr)
+        return 2
     deployment = urllib.parse.quote(args.deployment, safe="/")
     url = f"{args.url.rstrip('/')}/api/v1/deployments/{deployment}/ready"
     if args.engine is not None:
         url += f"?engine={args.engine}"
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": content_type})
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             state = json.load(response)

@@ -1,30 +1,62 @@
-"""Turns the exporter's state into metric families, fresh on every scrape.
+"""Collects each deployment's state into exposition lines: ``cache_config_info`` and its numeric companions.
 
-Nothing is kept between scrapes, so a changed label set or a dropped engine
-leaves no stale series behind.
+A deployment is rendered once per change (deployments are immutable, so the
+rendered lines are cached by identity) and a scrape only joins the cached
+lines. Every scrape still reflects the current state: a changed label set or a
+dropped engine leaves no stale series behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import msgspec
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from exporter.state import Deployment, ExporterState
+from exporter.state import Deployment
 from protocol import is_set, render_labels
 from protocol.cache_config import LABEL_NAMES
 
-# Per-engine figures: (field of the ready response and metric suffix, help text).
+
+@dataclass(frozen=True)
+class Family:
+    suffix: str
+    help: str
+
+
+INFO = Family("info", "Information of the LLMEngine CacheConfig, synced from the engines' ready responses.")
+# Per-engine figures, each named after the ready-response field it reports.
 ENGINE_GAUGES = (
-    ("block_size", "KV-cache block size in tokens this engine runs with."),
-    ("mamba_block_size", "Mamba block size in tokens this engine runs with (absent for models without Mamba layers)."),
-    ("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the deployment total)."),
-    ("max_model_len", "Longest sequence this engine accepts, in tokens."),
-    ("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
-    ("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
+    Family("block_size", "KV-cache block size in tokens this engine runs with."),
+    Family("mamba_block_size", "Mamba block size in tokens this engine runs with (absent without Mamba layers)."),
+    Family("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the deployment total)."),
+    Family("max_model_len", "Longest sequence this engine accepts, in tokens."),
+    Family("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
+    Family("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
 )
+UPDATED = Family(
+    "last_update_timestamp_seconds", "When this engine's last ready response was accepted, in Unix seconds."
+)
+DISTINCT = Family(
+    "distinct_values",
+    "Distinct values the engines of a deployment report for a field; above 1 they disagree and the lowest "
+    "engine index wins.",
+)
+PARALLEL = Family("data_parallel_size", "Data-parallel size the engines of a deployment report (the largest).")
+FAMILIES = (INFO, *ENGINE_GAUGES, UPDATED, DISTINCT, PARALLEL)
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else floatToGoString(value)
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    return ",".join(f'{name}="{escape_label_value(value)}"' for name, value in pairs)
 
 
 def _engine_value(deployment: Deployment, engine: int, field: str) -> float | None:
@@ -32,70 +64,58 @@ def _engine_value(deployment: Deployment, engine: int, field: str) -> float | No
     value = getattr(deployment.engines[engine].response, field)
     if value is msgspec.UNSET and field in ("block_size", "mamba_block_size"):
         value = getattr(deployment.base, field)
-    return float(value) if is_set(value) else None
+    return value if is_set(value) else None
 
 
-class CacheConfigCollector(Collector):
-    """Collects ``cache_config_info`` and its numeric companions from an ``ExporterState``."""
+def render_deployment(deployment: Deployment, prefix: str) -> tuple[bytes, ...]:
+    """The lines of one deployment, one bytes string per family of ``FAMILIES`` (in that order)."""
+    lines: dict[Family, list[str]] = {family: [] for family in FAMILIES}
+    if deployment.engines:
+        name = f"{prefix}cache_config_"
+        config_labels = render_labels(deployment.synced.config)
+        info_labels = _labels((label, config_labels[label]) for label in LABEL_NAMES)
+        deployment_label = f'deployment="{escape_label_value(deployment.name)}"'
+        for engine in sorted(deployment.engines):
+            key = f'{deployment_label},engine="{engine}"'
+            lines[INFO].append(f"{name}info{{{key},{info_labels}}} 1\n")
+            for family in ENGINE_GAUGES:
+                value = _engine_value(deployment, engine, family.suffix)
+                if value is not None:
+                    lines[family].append(f"{name}{family.suffix}{{{key}}} {_number(value)}\n")
+            received = deployment.engines[engine].received_at
+            lines[UPDATED].append(f"{name}{UPDATED.suffix}{{{key}}} {_number(received)}\n")
+        for field, count in deployment.synced.distinct_values.items():
+            lines[DISTINCT].append(f'{name}{DISTINCT.suffix}{{{deployment_label},field="{field}"}} {count}\n')
+        sizes = [r.response.data_parallel_size for r in deployment.engines.values()]
+        sizes = [size for size in sizes if is_set(size)]
+        if sizes:
+            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {max(sizes)}\n")
+    return tuple("".join(lines[family]).encode() for family in FAMILIES)
 
-    def __init__(self, state: ExporterState, prefix: str = "") -> None:
-        self._state = state
+
+class CacheConfigCollector:
+    """Renders the cache-config families of every deployment, re-rendering only deployments that changed."""
+
+    def __init__(self, prefix: str = "") -> None:
         self._prefix = prefix
+        self._headers = tuple(
+            f"# HELP {prefix}cache_config_{family.suffix} {family.help}\n"
+            f"# TYPE {prefix}cache_config_{family.suffix} gauge\n".encode()
+            for family in FAMILIES
+        )
+        self._rendered: dict[str, tuple[Deployment, tuple[bytes, ...]]] = {}
 
-    def describe(self) -> list[Metric]:
-        # Describing by collecting would run on registration; names alone are enough here.
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        name = f"{self._prefix}cache_config_"
-        deployments = self._state.snapshot()
-        info = GaugeMetricFamily(
-            f"{name}info",
-            "Information of the LLMEngine CacheConfig, synced from the engines' ready responses.",
-            labels=("deployment", "engine", *LABEL_NAMES),
+    def collect(self, deployments: Mapping[str, Deployment]) -> bytes:
+        """The exposition of all ``deployments``; only called from one thread at a time."""
+        rendered: dict[str, tuple[Deployment, tuple[bytes, ...]]] = {}
+        for name in sorted(deployments):
+            deployment = deployments[name]
+            cached = self._rendered.get(name)
+            rendered[name] = cached if cached and cached[0] is deployment else (
+                deployment, render_deployment(deployment, self._prefix)
+            )  # fmt: skip
+        self._rendered = rendered
+        parts = [entry[1] for entry in rendered.values()]
+        return b"".join(
+            self._headers[index] + b"".join(part[index] for part in parts) for index in range(len(FAMILIES))
         )
-        gauges = {
-            field: GaugeMetricFamily(f"{name}{field}", help_text, labels=("deployment", "engine"))
-            for field, help_text in ENGINE_GAUGES
-        }
-        updated = GaugeMetricFamily(
-            f"{name}last_update_timestamp_seconds",
-            "When this engine's last ready response was accepted, in Unix seconds.",
-            labels=("deployment", "engine"),
-        )
-        distinct = GaugeMetricFamily(
-            f"{name}distinct_values",
-            "Distinct values the engines of a deployment report for a field; above 1 they disagree "
-            "and the lowest engine index wins.",
-            labels=("deployment", "field"),
-        )
-        parallel = GaugeMetricFamily(
-            f"{name}data_parallel_size",
-            "Data-parallel size the engines of a deployment report (the largest, if they differ).",
-            labels=("deployment",),
-        )
-        for deployment in deployments:
-            if not deployment.engines:
-                continue
-            labels = render_labels(deployment.synced.config)
-            label_values = [labels[label] for label in LABEL_NAMES]
-            for engine in sorted(deployment.engines):
-                report = deployment.engines[engine]
-                key = [deployment.name, str(engine)]
-                info.add_metric([*key, *label_values], 1.0)
-                updated.add_metric(key, report.received_at)
-                for field, gauge in gauges.items():
-                    value = _engine_value(deployment, engine, field)
-                    if value is not None:
-                        gauge.add_metric(key, value)
-            for field, count in deployment.synced.distinct_values.items():
-                distinct.add_metric([deployment.name, field], float(count))
-            sizes = [r.response.data_parallel_size for r in deployment.engines.values()]
-            sizes = [size for size in sizes if is_set(size)]
-            if sizes:
-                parallel.add_metric([deployment.name], float(max(sizes)))
-        yield info
-        yield from gauges.values()
-        yield updated
-        yield distinct
-        yield parallel

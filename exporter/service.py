@@ -1,40 +1,43 @@
 """The HTTP service: an app factory wiring request -> protocol decode -> sync -> store -> /metrics.
 
-Every handler is thin: it turns HTTP into a call on ``ExporterState`` and the
-protocol's errors into problem details. Blocking work (SQLite commits,
-rendering the exposition) runs in the thread pool, off the event loop.
+Every handler is thin: it checks access, turns HTTP into a change queued on
+``ExporterState`` and awaits its commit, and turns the protocol's errors into
+problem details. Nothing blocking runs on the event loop: commits happen on
+the state's writer thread, and re-rendering the exposition in the thread pool.
 """
 
 from __future__ import annotations
 
-import gzip
+import asyncio
 import html
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from exporter import __version__
 from exporter.collector import CacheConfigCollector
+from exporter.exposition import Exposition
+from exporter.limits import RequestGuard
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
+from exporter.security import Credentials
 from exporter.settings import Settings
-from exporter.state import Deployment, ExporterState, StorageUnavailable, view
+from exporter.state import Deployment, ExporterState, LimitExceeded, Limits, StorageUnavailable, view
 from exporter.storage import Store
 from exporter.telemetry import ExporterMetrics
 from protocol import (
-    CacheConfigUpdate,
-    EngineCoreReadyResponse,
     InvalidPayload,
     SyncConflict,
     check_engine_index,
@@ -52,9 +55,7 @@ READY_MEDIA_TYPES = {
 # Letters, digits and ``_.:@+-``, in ``/``-separated segments (served model names like ``org/model``).
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+-]*)*")
 MAX_DEPLOYMENT_NAME = 200
-EngineIndex = Annotated[
-    int, Query(ge=0, lt=MAX_PARALLEL, description="Engine index for payloads without data_parallel_rank.")
-]
+EngineIndex = Annotated[int, Query(ge=0, lt=MAX_PARALLEL, description="Engine index for payloads without a rank.")]
 
 _json = msgspec.json.Encoder()
 
@@ -66,6 +67,21 @@ class _AnyTextConvertor(PathConvertor):
 
 
 register_url_convertor("name", _AnyTextConvertor())
+
+
+class ChunkedBody(Response):
+    """A response sent as several chunks with one ``Content-Length``: large cached parts are never copied."""
+
+    def __init__(self, chunks: Sequence[bytes], media_type: str, headers: dict[str, str]) -> None:
+        super().__init__(b"", media_type=media_type, headers=headers)
+        self.chunks = chunks
+        self.headers["content-length"] = str(sum(len(chunk) for chunk in chunks))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.chunks) - 1
+        for index, chunk in enumerate(self.chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": index < last})
 
 
 def _json_response(value: object, status_code: int = 200) -> Response:
@@ -98,18 +114,28 @@ def _wire_format(request: Request, accepted: dict[str, str]) -> str:
     return accepted[media_type]
 
 
-def _invalid(error: InvalidPayload, title: str) -> Problem:
+def _refusal(error: Exception, title: str) -> Problem:
+    """The problem an error of the protocol, the limits or the store stands for."""
+    if isinstance(error, StorageUnavailable):
+        problem = Problem(503, "Storage unavailable", f"nothing was changed: {error}", None, "storage_unavailable")
+        problem.headers["Retry-After"] = "1"
+        return problem
+    assert isinstance(error, InvalidPayload)
     if isinstance(error, SyncConflict):
         return Problem(409, "Conflicting engines", error.reason, error.field, "conflict")
+    if isinstance(error, LimitExceeded):
+        return Problem(429, "Limit reached", error.reason, error.field, "limit")
     if error.malformed:
         return Problem(400, title, error.reason, error.field, "malformed")
     return Problem(422, title, error.reason, error.field, "invalid")
 
 
-def _unavailable(error: StorageUnavailable) -> Problem:
-    problem = Problem(503, "Storage unavailable", f"nothing was changed: {error}", None, "storage_unavailable")
-    problem.headers["Retry-After"] = "1"
-    return problem
+async def _committed(future: Future[Any], title: str) -> Any:
+    """Wait for a queued change to be committed (or refused) without blocking the event loop."""
+    try:
+        return await asyncio.wrap_future(future)
+    except (InvalidPayload, StorageUnavailable) as error:
+        raise _refusal(error, title) from None
 
 
 def _landing_page(settings: Settings) -> str:
@@ -130,25 +156,38 @@ def create_app(
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.time,
 ) -> FastAPI:
-    """Build the exporter app with its own store, state and metrics registry."""
+    """Build the exporter app with its own store, state, credentials and metrics registry."""
     registry = registry if registry is not None else CollectorRegistry()
+    credentials = Credentials.from_settings(settings)
     store = Store(settings.storage_path)
-    state = ExporterState(store, settings.base_config(), clock)
-    metrics = ExporterMetrics(registry)
-    registry.register(CacheConfigCollector(state, settings.metric_prefix))
+    limits = Limits(settings.max_deployments, settings.max_engines_per_deployment)
+    state = ExporterState(store, settings.base_config(), clock, limits)
+    metrics = ExporterMetrics(registry, lambda: state.storage_error is None)
+    exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), registry)
+    # Several worker processes share the file: load what the others committed before answering a read.
+    shared_store = settings.workers > 1
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await run_in_threadpool(state.close)
         store.close()
 
     app = FastAPI(title="cache-config-exporter", version=__version__, lifespan=lifespan)
     app.state.exporter = state
+    app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes, read_timeout=settings.read_timeout_seconds)
     app.add_exception_handler(Problem, handle_problem)
     app.add_exception_handler(HTTPException, handle_http_exception)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
 
-    def found(name: str) -> Deployment:
+    async def current(request: Request) -> None:
+        """Access check for reads, then catch up with other workers' commits."""
+        credentials.require_reader(request)
+        if shared_store:
+            await _committed(state.refresh(), "Refresh")
+
+    async def found(request: Request, name: str) -> Deployment:
+        await current(request)
         deployment = state.get(name)
         if deployment is None:
             raise Problem(404, "Unknown deployment", f"no deployment named {name!r}", "deployment", "not_found")
@@ -156,17 +195,16 @@ def create_app(
 
     async def ingest(name: str, request: Request, engine: int | None) -> Response:
         try:
+            credentials.require_ingest(request)
             _check_deployment_name(name)
             wire_format = _wire_format(request, READY_MEDIA_TYPES)
             try:
                 response = decode_ready_response(await request.body(), wire_format)
                 index = engine if engine is not None else _rank(response)
                 check_engine_index(index, response)
-                deployment = await run_in_threadpool(state.apply_ready, name, index, response)
             except InvalidPayload as error:
-                raise _invalid(error, "Invalid ready response") from None
-            except StorageUnavailable as error:
-                raise _unavailable(error) from None
+                raise _refusal(error, "Invalid ready response") from None
+            deployment = await _committed(state.apply_ready(name, index, response), "Invalid ready response")
         except Problem as problem:
             metrics.rejected.labels(problem.reason).inc()
             raise
@@ -183,63 +221,64 @@ def create_app(
 
     @app.put("/api/v1/deployments/{deployment:name}/cache-config", summary="Set a deployment's static cache config")
     async def put_cache_config(deployment: str, request: Request) -> Response:
+        credentials.require_ingest(request)
         _check_deployment_name(deployment)
         _wire_format(request, {"application/json": JSON})
         try:
-            update: CacheConfigUpdate = decode_cache_config_update(await request.body())
-            result = await run_in_threadpool(state.set_static_config, deployment, update)
+            update = decode_cache_config_update(await request.body())
         except InvalidPayload as error:
-            raise _invalid(error, "Invalid cache config") from None
-        except StorageUnavailable as error:
-            raise _unavailable(error) from None
-        return _json_response(view(result))
+            raise _refusal(error, "Invalid cache config") from None
+        return _json_response(
+            view(await _committed(state.set_static_config(deployment, update), "Invalid cache config"))
+        )
 
     @app.get("/api/v1/deployments", summary="Every deployment's synced state")
-    async def list_deployments() -> Response:
-        return _json_response([view(deployment) for deployment in state.snapshot()])
+    async def list_deployments(request: Request) -> Response:
+        await current(request)
+        deployments = state.snapshot()
+        return _json_response([view(deployments[name]) for name in sorted(deployments)])
 
     @app.delete("/api/v1/deployments/{deployment:name}/engines/{engine}", summary="Forget one engine")
-    async def delete_engine(deployment: str, engine: int) -> Response:
-        found(deployment)
-        try:
-            result = await run_in_threadpool(state.delete_engine, deployment, engine)
-        except StorageUnavailable as error:
-            raise _unavailable(error) from None
+    async def delete_engine(deployment: str, engine: int, request: Request) -> Response:
+        credentials.require_ingest(request)
+        result = await _committed(state.delete_engine(deployment, engine), "Invalid request")
         if result is None:
-            raise Problem(
-                404, "Unknown engine", f"deployment {deployment!r} has no engine {engine}", "engine", "not_found"
-            )
+            raise Problem(404, "Unknown engine", f"{deployment!r} has no engine {engine}", "engine", "not_found")
         return _json_response(view(result))
 
     @app.get("/api/v1/deployments/{deployment:name}", summary="One deployment's synced state")
-    async def get_deployment(deployment: str) -> Response:
-        return _json_response(view(found(deployment)))
+    async def get_deployment(deployment: str, request: Request) -> Response:
+        return _json_response(view(await found(request, deployment)))
 
-    @app.delete("/api/v1/deployments/{deployment:name}", summary="Forget a deployment and its engines", status_code=204)
-    async def delete_deployment(deployment: str) -> Response:
-        found(deployment)
-        try:
-            await run_in_threadpool(state.delete_deployment, deployment)
-        except StorageUnavailable as error:
-            raise _unavailable(error) from None
+    @app.delete("/api/v1/deployments/{deployment:name}", summary="Forget a deployment", status_code=204)
+    async def delete_deployment(deployment: str, request: Request) -> Response:
+        credentials.require_ingest(request)
+        if not await _committed(state.delete_deployment(deployment), "Invalid request"):
+            raise Problem(404, "Unknown deployment", f"no deployment named {deployment!r}", "deployment", "not_found")
         return Response(status_code=204)
 
-    @app.get(settings.telemetry_path, summary="Prometheus metrics", include_in_schema=False)
+    @app.get(settings.telemetry_path, include_in_schema=False)
     async def get_metrics(request: Request) -> Response:
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        body = await run_in_threadpool(encoder, registry)
+        await current(request)
+        accept = request.headers.get("accept", "")
+        gzip = "gzip" in request.headers.get("accept-encoding", "")
+        if exposition.is_fresh(gzip):
+            chunks, content_type = exposition.render(accept, gzip)
+        else:
+            chunks, content_type = await run_in_threadpool(exposition.render, accept, gzip)
         headers = {"Vary": "Accept, Accept-Encoding"}
-        if "gzip" in request.headers.get("accept-encoding", ""):
-            body = await run_in_threadpool(gzip.compress, body, 1)
+        if gzip:
             headers["Content-Encoding"] = "gzip"
-        return Response(body, media_type=content_type, headers=headers)
+        return ChunkedBody(chunks, content_type, headers)
 
-    @app.get("/-/healthy", summary="Liveness", include_in_schema=False)
+    @app.get("/-/healthy", include_in_schema=False)
     async def healthy() -> Response:
         return Response("Healthy.\n", media_type="text/plain")
 
-    @app.get("/-/ready", summary="Readiness", include_in_schema=False)
+    @app.get("/-/ready", include_in_schema=False)
     async def ready() -> Response:
+        if state.storage_error is not None:
+            return Response(f"Not ready: storage failing: {state.storage_error}\n", 503, media_type="text/plain")
         return Response("Ready.\n", media_type="text/plain")
 
     @app.get("/", include_in_schema=False)
@@ -249,6 +288,11 @@ def create_app(
     return app
 
 
-def _rank(response: EngineCoreReadyResponse) -> int:
+def create_app_from_environment() -> FastAPI:
+    """The app of one worker process of ``serve --web.workers N``: settings come from the parent."""
+    return create_app(Settings.from_environment())
+
+
+def _rank(response: Any) -> int:
     rank = response.data_parallel_rank
     return rank if isinstance(rank, int) else 0

@@ -1,11 +1,14 @@
-"""The exporter's settings, their defaults, and the base cache config file they may name."""
+"""The exporter's settings, their defaults and checks, and the files they name (base config, secrets)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from protocol import CacheConfig, InvalidPayload, apply_update, decode_cache_config_update
 
@@ -13,6 +16,8 @@ from protocol import CacheConfig, InvalidPayload, apply_update, decode_cache_con
 DEFAULT_PORT = 10987
 _METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _CONFIG_FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
+# Where ``serve --web.workers N`` hands the settings to its worker processes.
+SETTINGS_ENVIRONMENT = "CACHE_CONFIG_EXPORTER_SETTINGS_JSON"
 
 
 def default_storage_path() -> Path:
@@ -33,13 +38,42 @@ class Settings:
     cache_config_file: Path | None = None
     metric_prefix: str = ""
     log_level: str = "info"
+    workers: int = 1
+    ingest_token_file: Path | None = None
+    allow_unauthenticated_ingest: bool = False
+    metrics_token_file: Path | None = None
+    metrics_basic_auth_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    max_request_bytes: int = 64 * 1024
+    read_timeout_seconds: float = 10.0
+    max_connections: int = 1024
+    max_deployments: int = 10_000
+    max_engines_per_deployment: int = 1_024
 
     def __post_init__(self) -> None:
         if self.metric_prefix and not _METRIC_PREFIX.fullmatch(self.metric_prefix):
             raise SettingsError(f"--metric.prefix {self.metric_prefix!r} is not a valid metric name prefix")
-        if not self.telemetry_path.startswith("/") or self.telemetry_path.startswith("/api/"):
-            raise SettingsError(f"--web.telemetry-path {self.telemetry_path!r} must start with / and not with /api/")
-        split_listen_address(self.listen_address)
+        if not self.telemetry_path.startswith("/") or self.telemetry_path.startswith(("/api/", "/-/")):
+            raise SettingsError(f"--web.telemetry-path {self.telemetry_path!r} must start with / (not /api/ or /-/)")
+        for flag, value in (
+            ("--web.workers", self.workers),
+            ("--web.max-request-bytes", self.max_request_bytes),
+            ("--web.max-connections", self.max_connections),
+            ("--limits.deployments", self.max_deployments),
+            ("--limits.engines-per-deployment", self.max_engines_per_deployment),
+            ("--web.read-timeout", self.read_timeout_seconds),
+        ):
+            if value <= 0:
+                raise SettingsError(f"{flag} must be positive, got {value}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise SettingsError("--web.tls-cert-file and --web.tls-key-file go together")
+        host, _ = split_listen_address(self.listen_address)
+        if not (_is_loopback(host) or self.ingest_token_file or self.allow_unauthenticated_ingest):
+            raise SettingsError(
+                f"--web.listen-address {self.listen_address} is reachable from other hosts, so ingest needs "
+                "--web.ingest-token-file (or --web.allow-unauthenticated-ingest to accept anyone's ready responses)"
+            )
 
     def base_config(self) -> CacheConfig:
         """vLLM's defaults, overridden by ``--cache-config.file`` when given."""
@@ -50,12 +84,48 @@ class Settings:
         if document_format is None:
             raise SettingsError(f"--cache-config.file {path}: use a .json, .toml, .yaml or .yml file")
         try:
-            update = decode_cache_config_update(path.read_bytes(), document_format)
-        except OSError as error:
-            raise SettingsError(f"--cache-config.file {path}: {error.strerror}") from None
+            update = decode_cache_config_update(read_file("--cache-config.file", path), document_format)
         except InvalidPayload as error:
             raise SettingsError(f"--cache-config.file {path}: {error.reason} at {error.field}") from None
         return apply_update(CacheConfig(), update)
+
+    def to_environment(self) -> str:
+        """These settings as JSON, for worker processes (``from_environment`` reads them back)."""
+        return msgspec.json.encode(self, enc_hook=str).decode()
+
+    @classmethod
+    def from_environment(cls) -> Settings:
+        return msgspec.json.decode(os.environ[SETTINGS_ENVIRONMENT], type=cls, dec_hook=_decode_path)
+
+
+def _decode_path(kind: type, value: object) -> Path:
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise NotImplementedError(kind)
+
+
+def read_file(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise SettingsError(f"{flag} {path}: {error.strerror}") from None
+
+
+def read_secret(flag: str, path: Path) -> str:
+    """A secret from a file (surrounding white space stripped); never echoed in messages."""
+    secret = read_file(flag, path).decode("utf-8", "replace").strip()
+    if not secret:
+        raise SettingsError(f"{flag} {path}: the file is empty")
+    return secret
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def split_listen_address(address: str) -> tuple[str, int]:

@@ -1,15 +1,22 @@
-"""The exporter's state: every deployment's inputs and synced config, kept in memory and in the store.
+"""The exporter's state: every deployment's inputs and synced config, in memory and in the store.
 
-A mutation decodes nothing and renders nothing: it runs the sync on the new
-inputs (which may refuse them), commits them to the store, and only then
-swaps the in-memory deployment, so memory never shows what was not committed.
+All changes go through one writer thread. It takes every change waiting in
+its queue, runs the sync for each (which may refuse it), writes the accepted
+ones in ONE transaction (group commit: eight clients cost about one fsync),
+and only after the commit swaps them into memory and answers their futures.
+So memory never shows what was not committed, and nothing is acknowledged
+before it is durable. Readers take the current immutable snapshot.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import msgspec
@@ -19,6 +26,7 @@ from protocol import (
     CacheConfig,
     CacheConfigUpdate,
     EngineCoreReadyResponse,
+    InvalidPayload,
     SyncedConfig,
     apply_update,
     decode_ready_response,
@@ -28,12 +36,22 @@ from protocol import (
     sync,
 )
 
+log = logging.getLogger("cache_config_exporter.state")
+
 _static_encoder = msgspec.json.Encoder()
 _static_decoder = msgspec.json.Decoder(CacheConfigUpdate)
+# Changes taken into one transaction at most; bounds the latency one commit adds.
+MAX_BATCH = 512
+# While the store is failing, how often the writer probes it to notice recovery.
+PROBE_INTERVAL_SECONDS = 0.5
 
 
 class StorageUnavailable(RuntimeError):
     """A write could not be committed; nothing was changed."""
+
+
+class LimitExceeded(InvalidPayload):
+    """A change would pass a cardinality limit; existing series stay as they are."""
 
 
 class EngineReport(msgspec.Struct, frozen=True):
@@ -45,7 +63,7 @@ class EngineReport(msgspec.Struct, frozen=True):
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
-    """A deployment's inputs and the config synced from them."""
+    """A deployment's inputs and the config synced from them; never changed, only replaced."""
 
     name: str
     instance_id: str | None
@@ -84,18 +102,236 @@ def view(deployment: Deployment) -> DeploymentView:
     )
 
 
-class ExporterState:
-    """All deployments; thread-safe, one writer at a time, readers take immutable snapshots."""
+@dataclass(frozen=True)
+class Limits:
+    """Cardinality caps: a change past them is refused and existing series stay."""
 
-    def __init__(self, store: Store, base: CacheConfig, clock: Callable[[], float]) -> None:
+    deployments: int = 10_000
+    engines_per_deployment: int = 1_024
+
+
+@dataclass
+class _Batch:
+    """The changes of one transaction: staged deployments and the writes that store them."""
+
+    current: Mapping[str, Deployment]
+    changed: dict[str, Deployment | None] = field(default_factory=dict)
+    writes: list[Callable[[Store], None]] = field(default_factory=list)
+
+    def get(self, name: str) -> Deployment | None:
+        return self.changed[name] if name in self.changed else self.current.get(name)
+
+    def count(self) -> int:
+        added = sum(1 for name, d in self.changed.items() if d is not None and name not in self.current)
+        removed = sum(1 for name, d in self.changed.items() if d is None and name in self.current)
+        return len(self.current) + added - removed
+
+    def stage(self, name: str, deployment: Deployment | None, *writes: Callable[[Store], None]) -> None:
+        self.changed[name] = deployment
+        self.writes.extend(writes)
+
+
+Change = Callable[[_Batch], object]
+
+
+class ExporterState:
+    """All deployments, changed by one writer thread and read as immutable snapshots."""
+
+    def __init__(
+        self, store: Store, base: CacheConfig, clock: Callable[[], float], limits: Limits | None = None
+    ) -> None:
         self._store = store
         self._base = base
         self._clock = clock
-        self._lock = threading.Lock()
-        self._deployments: dict[str, Deployment] = {}
-        for stored in store.load():
-            deployment = self._restore(stored)
-            self._deployments[deployment.name] = deployment
+        self._limits = limits or Limits()
+        self._deployments: Mapping[str, Deployment] = self._load()
+        # Bumped whenever what /metrics shows may have changed; caches key on it.
+        self.version = 0
+        self.storage_error: str | None = None
+        self._queue: queue.SimpleQueue[tuple[Change, Future[object]] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="cache-config-writer", daemon=True)
+        self._writer.start()
+
+    # Reading -----------------------------------------------------------------
+
+    def snapshot(self) -> Mapping[str, Deployment]:
+        """Every deployment by name; a consistent view that later changes never touch."""
+        return self._deployments
+
+    def get(self, name: str) -> Deployment | None:
+        return self._deployments.get(name)
+
+    # Changing ----------------------------------------------------------------
+
+    def apply_ready(self, name: str, engine: int, response: EngineCoreReadyResponse) -> Future[object]:
+        """Take one engine's ready response; a new ``instance_id`` drops the previous run's engines.
+
+        The future fails with ``SyncConflict`` or ``LimitExceeded`` (nothing changed) when
+        the change is refused, and with ``StorageUnavailable`` when it cannot be committed.
+        """
+
+        def change(batch: _Batch) -> Deployment:
+            current = batch.get(name)
+            if current is None and batch.count() >= self._limits.deployments:
+                raise LimitExceeded(
+                    "deployment", f"the exporter holds its limit of {self._limits.deployments} deployments"
+                )
+            static_config = current.static_config if current else CacheConfigUpdate()
+            engines = dict(current.engines) if current else {}
+            instance_id = current.instance_id if current else None
+            restarted = is_set(response.instance_id) and response.instance_id != instance_id
+            if restarted:
+                engines.clear()
+                instance_id = response.instance_id
+            if engine not in engines and len(engines) >= self._limits.engines_per_deployment:
+                raise LimitExceeded(
+                    "engine", f"deployment {name!r} holds its limit of {self._limits.engines_per_deployment} engines"
+                )
+            report = EngineReport(engine, self._clock(), response)
+            engines[engine] = report
+            updated = self._build(name, instance_id, static_config, engines)
+            payload, static = encode_ready_response(response), _static_encoder.encode(static_config)
+
+            def write_deployment(store: Store) -> None:
+                store.save_deployment(name, static, instance_id)
+                if restarted:
+                    store.delete_engines(name)
+
+            batch.stage(
+                name,
+                updated,
+                write_deployment,
+                lambda store: store.save_engine(name, engine, payload, report.received_at),
+            )
+            return updated
+
+        return self._submit(change)
+
+    def set_static_config(self, name: str, static_config: CacheConfigUpdate) -> Future[object]:
+        """Replace a deployment's static config, creating the deployment if needed."""
+
+        def change(batch: _Batch) -> Deployment:
+            current = batch.get(name)
+            if current is None and batch.count() >= self._limits.deployments:
+                raise LimitExceeded(
+                    "deployment", f"the exporter holds its limit of {self._limits.deployments} deployments"
+                )
+            instance_id = current.instance_id if current else None
+            updated = self._build(name, instance_id, static_config, current.engines if current else {})
+            static = _static_encoder.encode(static_config)
+            batch.stage(name, updated, lambda store: store.save_deployment(name, static, instance_id))
+            return updated
+
+        return self._submit(change)
+
+    def delete_deployment(self, name: str) -> Future[object]:
+        """Forget a deployment; the future's result says whether there was one."""
+
+        def change(batch: _Batch) -> bool:
+            if batch.get(name) is None:
+                return False
+            batch.stage(name, None, lambda store: store.delete_deployment(name))
+            return True
+
+        return self._submit(change)
+
+    def delete_engine(self, name: str, engine: int) -> Future[object]:
+        """Forget one engine; the future's result is the updated deployment, or ``None`` if there was no such engine."""
+
+        def change(batch: _Batch) -> Deployment | None:
+            current = batch.get(name)
+            if current is None or engine not in current.engines:
+                return None
+            engines = {index: report for index, report in current.engines.items() if index != engine}
+            updated = self._build(name, current.instance_id, current.static_config, engines)
+            batch.stage(name, updated, lambda store: store.delete_engine(name, engine))
+            return updated
+
+        return self._submit(change)
+
+    def refresh(self) -> Future[object]:
+        """Load what other worker processes committed (every batch does this first)."""
+        return self._submit(lambda batch: None)
+
+    def close(self) -> None:
+        """Finish every queued change, then stop the writer."""
+        self._queue.put(None)
+        self._writer.join()
+
+    # The writer thread ---------------------------------------------------------
+
+    def _submit(self, change: Change) -> Future[object]:
+        future: Future[object] = Future()
+        self._queue.put((change, future))
+        return future
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                first = self._queue.get(timeout=PROBE_INTERVAL_SECONDS if self.storage_error else None)
+            except queue.Empty:
+                self._commit([])
+                continue
+            jobs = [first]
+            while len(jobs) < MAX_BATCH and jobs[-1] is not None:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = jobs[-1] is None
+            self._commit([job for job in jobs if job is not None])
+            if stop:
+                return
+
+    def _commit(self, jobs: list[tuple[Change, Future[object]]]) -> None:
+        outcomes: list[tuple[Future[object], object, BaseException | None]] = []
+        try:
+            with self._store.transaction():
+                current = self._load() if self._store.changed_elsewhere() else self._deployments
+                batch = _Batch(current)
+                for change, future in jobs:
+                    try:
+                        outcomes.append((future, change(batch), None))
+                    except InvalidPayload as refused:
+                        outcomes.append((future, None, refused))
+                for write in batch.writes:
+                    write(self._store)
+                if not jobs:
+                    self._store.probe()
+        except sqlite3.Error as error:
+            if self.storage_error is None:
+                log.error("storage failing, writes refused until it recovers: %s", error)
+            self.storage_error = str(error)
+            failure = StorageUnavailable(str(error))
+            answered = {id(future) for future, _, _ in outcomes}
+            for future, _, refused in outcomes:
+                future.set_exception(refused or failure)
+            for _, future in jobs:
+                if id(future) not in answered:
+                    future.set_exception(failure)
+            return
+        if self.storage_error is not None:
+            log.warning("storage recovered")
+            self.storage_error = None
+        if current is not self._deployments or batch.changed:
+            merged = dict(current)
+            for name, deployment in batch.changed.items():
+                if deployment is None:
+                    merged.pop(name, None)
+                else:
+                    merged[name] = deployment
+            self._deployments = MappingProxyType(merged)
+            self.version += 1
+        for future, result, refused in outcomes:
+            if refused is None:
+                future.set_result(result)
+            else:
+                future.set_exception(refused)
+
+    # Building deployments ----------------------------------------------------
+
+    def _load(self) -> Mapping[str, Deployment]:
+        return MappingProxyType({stored.name: self._restore(stored) for stored in self._store.load()})
 
     def _restore(self, stored: StoredDeployment) -> Deployment:
         engines = {
@@ -121,84 +357,3 @@ class ExporterState:
             engines=MappingProxyType(dict(engines)),
             synced=synced,
         )
-
-    def snapshot(self) -> list[Deployment]:
-        """Every deployment, sorted by name; safe to read while writers go on."""
-        deployments = self._deployments
-        return [deployments[name] for name in sorted(deployments)]
-
-    def get(self, name: str) -> Deployment | None:
-        return self._deployments.get(name)
-
-    def apply_ready(self, name: str, engine: int, response: EngineCoreReadyResponse) -> Deployment:
-        """Take one engine's ready response; a new ``instance_id`` drops the previous run's engines.
-
-        Raises ``SyncConflict`` (nothing changed) when the engines would contradict each other.
-        """
-        with self._lock:
-            current = self._deployments.get(name)
-            static_config = current.static_config if current else CacheConfigUpdate()
-            engines = dict(current.engines) if current else {}
-            instance_id = current.instance_id if current else None
-            restarted = is_set(response.instance_id) and response.instance_id != instance_id
-            if restarted:
-                engines.clear()
-                instance_id = response.instance_id
-            report = EngineReport(engine, self._clock(), response)
-            engines[engine] = report
-            updated = self._build(name, instance_id, static_config, engines)
-            self._commit(
-                lambda: self._store.save_ready(
-                    name,
-                    _static_encoder.encode(static_config),
-                    instance_id,
-                    engine,
-                    encode_ready_response(response),
-                    report.received_at,
-                    restarted,
-                ),
-            )
-            return self._swap(updated)
-
-    def set_static_config(self, name: str, static_config: CacheConfigUpdate) -> Deployment:
-        """Replace a deployment's static config (creating the deployment if needed)."""
-        with self._lock:
-            current = self._deployments.get(name)
-            instance_id = current.instance_id if current else None
-            updated = self._build(name, instance_id, static_config, current.engines if current else {})
-            self._commit(
-                lambda: self._store.save_static_config(name, _static_encoder.encode(static_config), instance_id)
-            )
-            return self._swap(updated)
-
-    def delete_deployment(self, name: str) -> bool:
-        with self._lock:
-            if name not in self._deployments:
-                return False
-            self._commit(lambda: self._store.delete_deployment(name))
-            deployments = dict(self._deployments)
-            del deployments[name]
-            self._deployments = deployments
-            return True
-
-    def delete_engine(self, name: str, engine: int) -> Deployment | None:
-        """Forget one engine; ``None`` when there was no such engine."""
-        with self._lock:
-            current = self._deployments.get(name)
-            if current is None or engine not in current.engines:
-                return None
-            engines = {index: report for index, report in current.engines.items() if index != engine}
-            updated = self._build(name, current.instance_id, current.static_config, engines)
-            self._commit(lambda: self._store.delete_engine(name, engine))
-            return self._swap(updated)
-
-    def _commit(self, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except sqlite3.Error as error:
-            raise StorageUnavailable(str(error)) from None
-
-    def _swap(self, deployment: Deployment) -> Deployment:
-        # Copy-on-write: a scrape iterating the previous dict never sees a half-applied change.
-        self._deployments = {**self._deployments, deployment.name: deployment}
-        return deployment

@@ -16,25 +16,28 @@ from pathlib import Path
 # "CCEX": marks a file as ours, so a foreign SQLite file is never written to.
 APPLICATION_ID = 0x43434558
 SCHEMA_VERSION = 1
+# How long a write waits for another process's transaction before it counts as a storage fault.
+LOCK_TIMEOUT_SECONDS = 1.0
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS deployments (
-    name TEXT PRIMARY KEY,
-    static_config BLOB NOT NULL,
-    instance_id TEXT
-);
-CREATE TABLE IF NOT EXISTS engines (
-    deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
-    engine INTEGER NOT NULL,
-    response BLOB NOT NULL,
-    received_at REAL NOT NULL,
-    PRIMARY KEY (deployment, engine)
-);
-"""
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS deployments (
+        name TEXT PRIMARY KEY,
+        static_config BLOB NOT NULL,
+        instance_id TEXT
+    )""",
+    """CREATE TABLE IF NOT EXISTS engines (
+        deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
+        engine INTEGER NOT NULL,
+        response BLOB NOT NULL,
+        received_at REAL NOT NULL,
+        PRIMARY KEY (deployment, engine)
+    )""",
+    "CREATE TABLE IF NOT EXISTS probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL)",
+)
 
 
 class StorageError(RuntimeError):
-    """The store cannot be opened or written; the message says why."""
+    """The store cannot be opened; the message says why."""
 
 
 @dataclass
@@ -48,22 +51,29 @@ class StoredDeployment:
 
 
 class Store:
-    """A single SQLite file in WAL mode with ``synchronous=FULL``: a commit survives power loss."""
+    """A single SQLite file in WAL mode with ``synchronous=FULL``: a commit survives power loss.
+
+    Writes happen inside ``transaction()``; several processes may share one file,
+    and ``changed_elsewhere()`` tells when another one has committed.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5.0)
+            self._db = sqlite3.connect(
+                path, check_same_thread=False, isolation_level=None, timeout=LOCK_TIMEOUT_SECONDS
+            )
             self._check_foreign()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             with self.transaction():
-                for statement in filter(str.strip, _SCHEMA.split(";")):
+                for statement in _SCHEMA:
                     self._db.execute(statement)
                 self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._data_version = self._read_data_version()
         except (sqlite3.Error, OSError) as error:
             raise StorageError(f"cannot open storage {path}: {error}") from None
 
@@ -78,12 +88,19 @@ class Store:
         elif application_id != 0 or tables:
             raise StorageError(f"{self.path} is a database of another program; refusing to touch it")
 
+    def _read_data_version(self) -> int:
+        return self._db.execute("PRAGMA data_version").fetchone()[0]
+
+    def changed_elsewhere(self) -> bool:
+        """True when another connection (another worker process) committed since the last ``load()``."""
+        return self._read_data_version() != self._data_version
+
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[None]:
         """One immediate transaction: committed on success, rolled back on any error."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            yield self._db
+            yield
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
@@ -101,51 +118,40 @@ class Store:
             "SELECT deployment, engine, response, received_at FROM engines"
         ):
             deployments[name].engines[engine] = (response, received_at)
+        self._data_version = self._read_data_version()
         return list(deployments.values())
 
-    def save_ready(
-        self,
-        deployment: str,
-        static_config: bytes,
-        instance_id: str | None,
-        engine: int,
-        response: bytes,
-        received_at: float,
-        restarted: bool,
-    ) -> None:
-        """Store one engine's response; on a restart, the previous run's engines go in the same commit."""
-        with self.transaction() as db:
-            self._upsert_deployment(db, deployment, static_config, instance_id)
-            if restarted:
-                db.execute("DELETE FROM engines WHERE deployment = ?", (deployment,))
-            db.execute(
-                "INSERT OR REPLACE INTO engines (deployment, engine, response, received_at) VALUES (?, ?, ?, ?)",
-                (deployment, engine, response, received_at),
-            )
+    def save_deployment(self, name: str, static_config: bytes, instance_id: str | None) -> None:
+        self._db.execute(
+            "INSERT INTO deployments (name, static_config, instance_id) VALUES (?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET "
+            "static_config = excluded.static_config, instance_id = excluded.instance_id",
+            (name, static_config, instance_id),
+        )
 
-    def save_static_config(self, deployment: str, static_config: bytes, instance_id: str | None) -> None:
-        with self.transaction() as db:
-            self._upsert_deployment(db, deployment, static_config, instance_id)
+    def save_engine(self, deployment: str, engine: int, response: bytes, received_at: float) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO engines (deployment, engine, response, received_at) VALUES (?, ?, ?, ?)",
+            (deployment, engine, response, received_at),
+        )
+
+    def delete_engines(self, deployment: str) -> None:
+        self._db.execute("DELETE FROM engines WHERE deployment = ?", (deployment,))
 
     def delete_deployment(self, deployment: str) -> None:
-        with self.transaction() as db:
-            db.execute("DELETE FROM deployments WHERE name = ?", (deployment,))
+        self._db.execute("DELETE FROM deployments WHERE name = ?", (deployment,))
 
     def delete_engine(self, deployment: str, engine: int) -> None:
-        with self.transaction() as db:
-            db.execute("DELETE FROM engines WHERE deployment = ? AND engine = ?", (deployment, engine))
+        self._db.execute("DELETE FROM engines WHERE deployment = ? AND engine = ?", (deployment, engine))
+
+    def probe(self) -> None:
+        """Write one row: proves the disk takes writes again after a fault."""
+        self._db.execute(
+            "INSERT INTO probe (id, writes) VALUES (1, 1) ON CONFLICT(id) DO UPDATE SET writes = writes + 1"
+        )
 
     def integrity_ok(self) -> bool:
         return self._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
     def close(self) -> None:
         self._db.close()
-
-    @staticmethod
-    def _upsert_deployment(db: sqlite3.Connection, name: str, static_config: bytes, instance_id: str | None) -> None:
-        db.execute(
-            "INSERT INTO deployments (name, static_config, instance_id) VALUES (?, ?, ?) "
-            "ON CONFLICT(name) DO UPDATE SET "
-            "static_config = excluded.static_config, instance_id = excluded.instance_id",
-            (name, static_config, instance_id),
-        )

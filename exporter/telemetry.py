@@ -1,8 +1,9 @@
-"""The exporter's metrics about itself: build info and what happened to the ready responses it was sent."""
+"""The exporter's metrics about itself: build info, storage health, and what happened to ready responses."""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, PlatformCollector, ProcessCollector
@@ -14,15 +15,17 @@ REJECTION_REASONS = (
     "invalid",
     "invalid_request",
     "conflict",
+    "limit",
+    "unauthorized",
     "unsupported_media_type",
     "storage_unavailable",
 )
 
 
 class ExporterMetrics:
-    """Counters registered in the app's own registry (never the global one)."""
+    """Metrics registered in the app's own registry (never the global one)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, storage_healthy: Callable[[], bool]) -> None:
         self.accepted = Counter(
             "cache_config_exporter_ready_responses_accepted",
             "Ready responses accepted and committed to storage.",
@@ -36,6 +39,11 @@ class ExporterMetrics:
         )
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
+        Gauge(
+            "cache_config_exporter_storage_healthy",
+            "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
+            registry=registry,
+        ).set_function(lambda: float(storage_healthy()))
         Gauge(
             "cache_config_exporter_build_info",
             "A metric with a constant 1 labelled by the exporter's version and runtime.",

@@ -7,6 +7,7 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
@@ -41,15 +42,17 @@ def test_a_new_app_on_the_same_file_publishes_the_same_series(
     assert len(before_series) == 12
 
 
-def test_the_store_passes_integrity_check_and_keeps_only_inputs(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.db")
-    store.save_ready("d", b"{}", "run", 0, fixture_bytes("dense-post50809"), 1.0, restarted=True)
-    store.save_ready("d", b"{}", "run", 1, fixture_bytes("dense-post50809"), 2.0, restarted=False)
-    store.save_ready("d", b"{}", "run2", 0, fixture_bytes("dense-post50809"), 3.0, restarted=True)
-    assert store.integrity_ok()
+def test_a_restart_replaces_the_stored_engines_in_one_commit(client: TestClient, tmp_path: Path) -> None:
+    for name in ("dp2-rank0", "dp2-rank1"):
+        client.post("/api/v1/deployments/dp/ready", content=fixture_bytes(name), headers=MSGPACK)
+    restarted = msgspec.msgpack.decode(fixture_bytes("dense-post50809"))
+    restarted["instance_id"] = "second-run"
+    client.post("/api/v1/deployments/dp/ready", content=msgspec.msgpack.encode(restarted), headers=MSGPACK)
+    store = Store(tmp_path / "exporter.db")
     [deployment] = store.load()
-    assert deployment.instance_id == "run2"
+    assert deployment.instance_id == "second-run"
     assert set(deployment.engines) == {0}
+    assert store.integrity_ok()
     store.close()
 
 

@@ -1,0 +1,83 @@
+"""What ``/metrics`` sends: content negotiation, and the cache that makes a scrape cost little.
+
+The cache-config families (nearly all the bytes) are rendered, and for gzip
+compressed, once per state change; a scrape adds only the exporter's own small
+metrics. For gzip the compressor's state after the cached part is kept and
+copied, so each scrape compresses just the small tail yet sends one valid gzip
+stream. The cached part is identical in both formats (gauges only), so text and
+OpenMetrics share it.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from exporter.collector import CacheConfigCollector
+from exporter.state import ExporterState
+
+# Fast compression: it runs once per state change, and label-heavy text compresses well at any level.
+GZIP_LEVEL = 1
+
+
+class _Rendered:
+    """The cache-config part of one state version, plain and (on first demand) gzip-compressed."""
+
+    def __init__(self, version: int, body: bytes) -> None:
+        self.version = version
+        self.body = body
+        self._gzip: tuple[bytes, zlib._Compress] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def has_gzip(self) -> bool:
+        return self._gzip is not None
+
+    def gzip_prefix(self) -> tuple[bytes, zlib._Compress]:
+        with self._lock:
+            if self._gzip is None:
+                compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+                self._gzip = (compressor.compress(self.body), compressor)
+            return self._gzip
+
+
+class Exposition:
+    """Renders ``/metrics`` bodies for a state, a collector and the exporter's own registry."""
+
+    def __init__(self, state: ExporterState, collector: CacheConfigCollector, registry: CollectorRegistry) -> None:
+        self._state = state
+        self._collector = collector
+        self._registry = registry
+        self._rendered = _Rendered(-1, b"")
+        self._lock = threading.Lock()
+
+    def is_fresh(self, gzip: bool) -> bool:
+        """True when ``render`` will neither re-render nor compress the large part (cheap on the event loop)."""
+        rendered = self._rendered
+        return rendered.version == self._state.version and (rendered.has_gzip or not gzip)
+
+    def _current(self) -> _Rendered:
+        rendered = self._rendered
+        if rendered.version == self._state.version:
+            return rendered
+        with self._lock:
+            # Read the version before the snapshot: the snapshot is then at least that new.
+            version = self._state.version
+            if self._rendered.version != version:
+                self._rendered = _Rendered(version, self._collector.collect(self._state.snapshot()))
+            return self._rendered
+
+    def render(self, accept: str, gzip: bool) -> tuple[Sequence[bytes], str]:
+        """The body (as chunks to send in order) and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        rendered = self._current()
+        tail = encoder(self._registry)
+        if not gzip:
+            return (rendered.body, tail), content_type
+        prefix, compressor = rendered.gzip_prefix()
+        finish = compressor.copy()
+        return (prefix, finish.compress(tail) + finish.flush()), content_type
