@@ -14,11 +14,11 @@ import threading
 import zlib
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from exporter.collector import CacheConfigCollector
 from exporter.state import ExporterState
+from exporter.telemetry import ExporterMetrics
 
 # Fast compression: it runs once per state change, and label-heavy text compresses well at any level.
 GZIP_LEVEL = 1
@@ -46,12 +46,12 @@ class _Rendered:
 
 
 class Exposition:
-    """Renders ``/metrics`` bodies for a state, a collector and the exporter's own registry."""
+    """Renders ``/metrics`` bodies from a state, its collector and the exporter's own metrics."""
 
-    def __init__(self, state: ExporterState, collector: CacheConfigCollector, registry: CollectorRegistry) -> None:
+    def __init__(self, state: ExporterState, collector: CacheConfigCollector, metrics: ExporterMetrics) -> None:
         self._state = state
         self._collector = collector
-        self._registry = registry
+        self._metrics = metrics
         self._rendered = _Rendered(-1, b"")
         self._lock = threading.Lock()
 
@@ -73,9 +73,9 @@ class Exposition:
 
     def render(self, accept: str, gzip: bool) -> tuple[Sequence[bytes], str]:
         """The body (as chunks to send in order) and its content type."""
-        encoder, content_type = choose_encoder(accept)
+        _, content_type = choose_encoder(accept)
         rendered = self._current()
-        tail = encoder(self._registry)
+        tail = self._metrics.render(openmetrics=content_type.startswith("application/openmetrics-text"))
         if not gzip:
             return (rendered.body, tail), content_type
         prefix, compressor = rendered.gzip_prefix()

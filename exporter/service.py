@@ -163,7 +163,7 @@ def create_app(
     limits = Limits(settings.max_deployments, settings.max_engines_per_deployment)
     state = ExporterState(store, settings.base_config(), clock, limits)
     metrics = ExporterMetrics(registry, lambda: state.storage_error is None)
-    exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), registry)
+    exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), metrics)
     # Several worker processes share the file: load what the others committed before answering a read.
     shared_store = settings.workers > 1
 
@@ -206,9 +206,9 @@ def create_app(
                 raise _refusal(error, "Invalid ready response") from None
             deployment = await _committed(state.apply_ready(name, index, response), "Invalid ready response")
         except Problem as problem:
-            metrics.rejected.labels(problem.reason).inc()
+            metrics.reject(problem.reason)
             raise
-        metrics.accepted.inc()
+        metrics.accepted += 1
         return _json_response(view(deployment))
 
     @app.post("/api/v1/ready", summary="Ingest a ready response for the deployment 'default'")

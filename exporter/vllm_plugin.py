@@ -34,7 +34,7 @@ import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
@@ -74,7 +74,8 @@ class Target:
     url: str
     deployment: str | None = None
     token_file: str | None = None
-    token: str | None = None
+    # Kept out of repr(): the token must never reach a log or a traceback.
+    token: str | None = field(default=None, repr=False)
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
 
     @classmethod
@@ -142,16 +143,16 @@ def static_config_of(client: object) -> dict[str, Any]:
     """
     cache_config = getattr(getattr(client, "vllm_config", None), "cache_config", None)
     config: dict[str, Any] = {}
-    for field in _FIELDS:
-        value = getattr(cache_config, field.encode_name, _MISSING)
+    for config_field in _FIELDS:
+        value = getattr(cache_config, config_field.encode_name, _MISSING)
         if value is _MISSING:
             continue
         try:
-            update = msgspec.convert({field.encode_name: value}, CacheConfigUpdate)
+            update = msgspec.convert({config_field.encode_name: value}, CacheConfigUpdate)
         except msgspec.ValidationError as error:
-            logger.debug("not sending cache config field %s: %s", field.encode_name, error)
+            logger.debug("not sending cache config field %s: %s", config_field.encode_name, error)
             continue
-        config[field.encode_name] = getattr(update, field.name)
+        config[config_field.encode_name] = getattr(update, config_field.name)
     return config
 
 
@@ -230,7 +231,7 @@ class Forwarder:
             body = msgspec.json.encode(job.config)
             self._send("PUT", f"/api/v1/deployments/{deployment}/cache-config", body, "application/json", headers)
             self._configured.add(job.deployment)
-            logger.info("sent the cache config of deployment %r to %s", job.deployment, self._target.url)
+            logger.info("cache-config-exporter: sent the cache config of %r to %s", job.deployment, self._target.url)
         self._send("POST", f"/api/v1/deployments/{deployment}/ready", job.payload, "application/vnd.msgpack", headers)
 
     def _authorization(self) -> dict[str, str]:
