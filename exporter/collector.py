@@ -51,8 +51,9 @@ def escape_label_value(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _number(value: float) -> str:
-    return str(value) if isinstance(value, int) else floatToGoString(value)
+def format_value(value: float) -> str:
+    """Formatted as prometheus_client formats it (``1056.0``, ``2.108832e+06``), so output matches vLLM's."""
+    return floatToGoString(float(value))
 
 
 def _labels(pairs: Iterable[tuple[str, str]]) -> str:
@@ -77,19 +78,21 @@ def render_deployment(deployment: Deployment, prefix: str) -> tuple[bytes, ...]:
         deployment_label = f'deployment="{escape_label_value(deployment.name)}"'
         for engine in sorted(deployment.engines):
             key = f'{deployment_label},engine="{engine}"'
-            lines[INFO].append(f"{name}info{{{key},{info_labels}}} 1\n")
+            lines[INFO].append(f"{name}info{{{key},{info_labels}}} 1.0\n")
             for family in ENGINE_GAUGES:
                 value = _engine_value(deployment, engine, family.suffix)
                 if value is not None:
-                    lines[family].append(f"{name}{family.suffix}{{{key}}} {_number(value)}\n")
+                    lines[family].append(f"{name}{family.suffix}{{{key}}} {format_value(value)}\n")
             received = deployment.engines[engine].received_at
-            lines[UPDATED].append(f"{name}{UPDATED.suffix}{{{key}}} {_number(received)}\n")
+            lines[UPDATED].append(f"{name}{UPDATED.suffix}{{{key}}} {format_value(received)}\n")
         for field, count in deployment.synced.distinct_values.items():
-            lines[DISTINCT].append(f'{name}{DISTINCT.suffix}{{{deployment_label},field="{field}"}} {count}\n')
+            lines[DISTINCT].append(
+                f'{name}{DISTINCT.suffix}{{{deployment_label},field="{field}"}} {format_value(count)}\n'
+            )
         sizes = [r.response.data_parallel_size for r in deployment.engines.values()]
         sizes = [size for size in sizes if is_set(size)]
         if sizes:
-            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {max(sizes)}\n")
+            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {format_value(max(sizes))}\n")
     return tuple("".join(lines[family]).encode() for family in FAMILIES)
 
 

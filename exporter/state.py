@@ -172,10 +172,8 @@ class ExporterState:
 
         def change(batch: _Batch) -> Deployment:
             current = batch.get(name)
-            if current is None and batch.count() >= self._limits.deployments:
-                raise LimitExceeded(
-                    "deployment", f"the exporter holds its limit of {self._limits.deployments} deployments"
-                )
+            if current is None:
+                self._check_room(batch)
             static_config = current.static_config if current else CacheConfigUpdate()
             engines = dict(current.engines) if current else {}
             instance_id = current.instance_id if current else None
@@ -212,10 +210,8 @@ class ExporterState:
 
         def change(batch: _Batch) -> Deployment:
             current = batch.get(name)
-            if current is None and batch.count() >= self._limits.deployments:
-                raise LimitExceeded(
-                    "deployment", f"the exporter holds its limit of {self._limits.deployments} deployments"
-                )
+            if current is None:
+                self._check_room(batch)
             instance_id = current.instance_id if current else None
             updated = self._build(name, instance_id, static_config, current.engines if current else {})
             static = _static_encoder.encode(static_config)
@@ -248,6 +244,11 @@ class ExporterState:
             return updated
 
         return self._submit(change)
+
+    def _check_room(self, batch: _Batch) -> None:
+        """Refuse a new deployment once the limit is reached."""
+        if batch.count() >= self._limits.deployments:
+            raise LimitExceeded("deployment", f"the exporter holds its limit of {self._limits.deployments} deployments")
 
     def refresh(self) -> Future[object]:
         """Load what other worker processes committed (every batch does this first)."""

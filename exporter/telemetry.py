@@ -17,7 +17,7 @@ from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from exporter import __version__
-from exporter.collector import escape_label_value
+from exporter.collector import escape_label_value, format_value
 
 REJECTION_REASONS = (
     "malformed",
@@ -70,19 +70,19 @@ class ExporterMetrics:
 
     def render(self, openmetrics: bool) -> bytes:
         rejected = "".join(
-            f'{_REJECTED}_total{{reason="{reason}"}} {count}\n' for reason, count in self.rejected.items()
+            f'{_REJECTED}_total{{reason="{reason}"}} {format_value(count)}\n' for reason, count in self.rejected.items()
         )
         parts = (
             _family(_ACCEPTED, "counter", "Ready responses accepted and committed to storage.",
-                    f"{_ACCEPTED}_total {self.accepted}\n", openmetrics),
+                    f"{_ACCEPTED}_total {format_value(self.accepted)}\n", openmetrics),
             _family(_REJECTED, "counter", "Ready responses refused, by reason; nothing was stored for them.",
                     rejected, openmetrics),
             _family("cache_config_exporter_storage_healthy", "gauge",
                     "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
-                    f"cache_config_exporter_storage_healthy {int(self._storage_healthy())}\n", openmetrics),
+                    f"cache_config_exporter_storage_healthy {format_value(self._storage_healthy())}\n", openmetrics),
             _family("cache_config_exporter_build_info", "gauge",
                     "A metric with a constant 1 labelled by the exporter's version and runtime.",
-                    f"cache_config_exporter_build_info{{{self._build_info}}} 1\n", openmetrics),
+                    f"cache_config_exporter_build_info{{{self._build_info}}} 1.0\n", openmetrics),
             self._process(openmetrics),
             "# EOF\n" if openmetrics else "",
         )  # fmt: skip
