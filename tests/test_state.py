@@ -1,0 +1,86 @@
+"""The writer thread: group commit, and nothing acknowledged or shown before it is committed."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from exporter.state import ExporterState, StorageUnavailable
+from exporter.storage import Store
+from protocol import CacheConfig, decode_ready_response
+from tests.support import fixture_bytes
+
+
+class GatedStore(Store):
+    """A store whose first transaction waits for a gate, and which counts and can fail its commits."""
+
+    def __init__(self, path: Path) -> None:
+        self.gate = threading.Event()
+        self.gate.set()  # creating the schema is not held up
+        self.entered = threading.Event()
+        self.fail = False
+        self.commits = 0
+        super().__init__(path)
+        self.gate.clear()
+        self.entered.clear()
+        self.commits = 0
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.entered.set()
+        self.gate.wait(timeout=30)
+        with super().transaction():
+            yield
+            if self.fail:
+                raise sqlite3.OperationalError("disk I/O error")
+        self.commits += 1
+
+
+@pytest.fixture
+def gated(tmp_path: Path) -> Iterator[tuple[GatedStore, ExporterState]]:
+    store = GatedStore(tmp_path / "state.db")
+    state = ExporterState(store, CacheConfig(), time.time)
+    yield store, state
+    store.gate.set()
+    state.close()
+    store.close()
+
+
+RESPONSE = decode_ready_response(fixture_bytes("dp2-rank0"))
+
+
+def test_changes_waiting_together_are_committed_together(gated: tuple[GatedStore, ExporterState]) -> None:
+    store, state = gated
+    first = state.apply_ready("d-first", 0, RESPONSE)
+    assert store.entered.wait(timeout=10)
+    waiting = [state.apply_ready(f"d{index}", 0, RESPONSE) for index in range(50)]
+    assert not any(future.done() for future in [first, *waiting])
+    store.gate.set()
+    for future in [first, *waiting]:
+        future.result(timeout=10)
+    assert store.commits == 2
+    assert len(state.snapshot()) == 51
+
+
+def test_nothing_is_acknowledged_or_shown_when_the_commit_fails(gated: tuple[GatedStore, ExporterState]) -> None:
+    store, state = gated
+    store.gate.set()
+    state.apply_ready("kept", 0, RESPONSE).result(timeout=10)
+    version = state.version
+    store.fail = True
+    failed = state.apply_ready("lost", 0, RESPONSE)
+    with pytest.raises(StorageUnavailable):
+        failed.result(timeout=10)
+    assert set(state.snapshot()) == {"kept"}
+    assert state.version == version
+    assert state.storage_error == "disk I/O error"
+    store.fail = False
+    state.apply_ready("after", 0, RESPONSE).result(timeout=10)
+    assert state.storage_error is None
+    assert {stored.name for stored in Store(store.path).load()} == {"kept", "after"}
