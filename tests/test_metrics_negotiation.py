@@ -1,0 +1,139 @@
+"""/metrics content negotiation: Prometheus text or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from tests.support import MSGPACK, fixture_bytes
+
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text"
+# What Prometheus 2.42 sends when it scrapes.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+Series = set[tuple[str, tuple[tuple[str, str], ...], float]]
+
+
+def cache_config_series(families: Iterable[Metric]) -> Series:
+    """The cache_config_* samples (stable between two scrapes, unlike process_* figures)."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items())), sample.value)
+        for family in families
+        for sample in family.samples
+        if sample.name.startswith("cache_config_") and not sample.name.endswith("_created")
+    }
+
+
+def get_raw(client: TestClient, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    """``GET /metrics`` without the client's transparent decompression: headers and the bytes as sent.
+
+    The test client asks for gzip by default; without an ``Accept-Encoding`` here it asks for identity.
+    """
+    with client.stream("GET", "/metrics", headers={"Accept-Encoding": "identity", **headers}) as response:
+        assert response.status_code == 200
+        return dict(response.headers), b"".join(response.iter_raw())
+
+
+def gunzip_one_member(body: bytes) -> str:
+    """Decompress a gzip body that must be exactly one complete gzip member."""
+    assert body[:2] == b"\x1f\x8b", body[:10]
+    decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    text = decompressor.decompress(body) + decompressor.flush()
+    assert decompressor.eof and decompressor.unused_data == b""
+    return text.decode()
+
+
+@pytest.fixture
+def loaded(client: TestClient) -> TestClient:
+    for fixture, deployment in (("hybrid-tp1-post50809", "qwen"), ("dp2-rank0", "dp2"), ("dp2-rank1", "dp2")):
+        response = client.post(
+            f"/api/v1/deployments/{deployment}/ready", content=fixture_bytes(fixture), headers=MSGPACK
+        )
+        assert response.status_code == 200, response.text
+    return client
+
+
+def test_without_accept_the_answer_is_prometheus_text(loaded: TestClient) -> None:
+    headers, body = get_raw(loaded, {})
+    assert headers["content-type"] == TEXT
+    assert "content-encoding" not in headers
+    assert headers["vary"] == "Accept, Accept-Encoding"
+    text = body.decode()
+    assert "# EOF" not in text
+    series = cache_config_series(parse_text(text))
+    assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) in series
+    assert ("cache_config_exporter_ready_responses_accepted_total", (), 3.0) in series
+
+
+@pytest.mark.parametrize("accept", ["text/plain", "text/plain;version=0.0.4", "*/*", "application/json"])
+def test_other_accept_headers_get_prometheus_text(loaded: TestClient, accept: str) -> None:
+    headers, body = get_raw(loaded, {"Accept": accept})
+    assert headers["content-type"] == TEXT
+    assert cache_config_series(parse_text(body.decode())) == cache_config_series(
+        parse_text(get_raw(loaded, {})[1].decode())
+    )
+
+
+@pytest.mark.parametrize("accept", ["application/openmetrics-text; version=1.0.0", PROMETHEUS_ACCEPT])
+def test_openmetrics_when_asked_carries_the_same_series(loaded: TestClient, accept: str) -> None:
+    headers, body = get_raw(loaded, {"Accept": accept})
+    assert headers["content-type"].startswith(f"{OPENMETRICS}; version=1.0.0")
+    text = body.decode()
+    assert text.endswith("# EOF\n")
+    # The OpenMetrics parser is strict: one block per family, the EOF last, counters as *_total.
+    families = list(parse_openmetrics(text))
+    names = {family.name: family.type for family in families}
+    assert names["cache_config_info"] == "gauge"
+    assert names["cache_config_exporter_ready_responses_accepted"] == "counter"
+    series = cache_config_series(families)
+    assert series == cache_config_series(parse_text(get_raw(loaded, {})[1].decode()))
+    info = [sample for sample in series if sample[0] == "cache_config_info" and ("deployment", "dp2") in sample[1]]
+    assert {dict(labels)["engine"] for _, labels, _ in info} == {"0", "1"}
+    assert {dict(labels)["num_gpu_blocks"] for _, labels, _ in info} == {"3994"}
+
+
+@pytest.mark.parametrize("accept", ["", PROMETHEUS_ACCEPT])
+@pytest.mark.parametrize("accept_encoding", ["gzip", "gzip, deflate, br", "br;q=1.0, gzip;q=0.8"])
+def test_gzip_when_asked_is_one_valid_gzip_stream_of_the_same_exposition(
+    loaded: TestClient, accept: str, accept_encoding: str
+) -> None:
+    headers, body = get_raw(loaded, {"Accept": accept, "Accept-Encoding": accept_encoding})
+    assert headers["content-encoding"] == "gzip"
+    assert headers["vary"] == "Accept, Accept-Encoding"
+    plain_headers, plain = get_raw(loaded, {"Accept": accept, "Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain_headers
+    assert headers["content-type"] == plain_headers["content-type"]
+    parse = parse_openmetrics if accept else parse_text
+    assert cache_config_series(parse(gunzip_one_member(body))) == cache_config_series(parse(plain.decode()))
+    assert len(body) < len(plain) / 3
+
+
+def test_gzip_follows_state_changes(loaded: TestClient) -> None:
+    """The compressed body is cached per state: a change must show in the next gzip scrape."""
+    gzip_headers = {"Accept-Encoding": "gzip"}
+    before = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
+    response = loaded.post(
+        "/api/v1/deployments/qwen/ready", content=fixture_bytes("hybrid-tp4-post50809"), headers=MSGPACK
+    )
+    assert response.status_code == 200
+    for _ in range(2):  # a fresh render, then the cached one
+        after = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
+        assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 528.0) in after
+        assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) not in after
+    assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) in before
+
+
+@pytest.mark.parametrize("accept_encoding", ["identity", "gzip;q=0", "deflate, gzip;q=0.0"])
+def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding: str) -> None:
+    headers, body = get_raw(loaded, {"Accept-Encoding": accept_encoding})
+    assert "content-encoding" not in headers
+    assert cache_config_series(parse_text(body.decode()))
