@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import urllib.error
 import urllib.parse
@@ -127,12 +128,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    """SIGTERM outside uvicorn's own handler: at start-up, or re-raised by uvicorn after its graceful shutdown."""
+    raise SystemExit(0)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from exporter.security import Credentials
     from exporter.service import create_app
 
+    # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
+    # then raises the signal again; exit 0 then instead of dying of it.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)

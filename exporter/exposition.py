@@ -24,6 +24,19 @@ from exporter.telemetry import ExporterMetrics
 GZIP_LEVEL = 1
 
 
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header takes gzip (``gzip;q=0`` refuses it)."""
+    for coding in accept_encoding.lower().split(","):
+        name, _, parameters = coding.partition(";")
+        if name.strip() in ("gzip", "x-gzip"):
+            quality = parameters.strip().removeprefix("q=")
+            try:
+                return not parameters.strip() or float(quality) > 0
+            except ValueError:
+                return False
+    return False
+
+
 class _Rendered:
     """The cache-config part of one state version, plain and (on first demand) gzip-compressed."""
 

@@ -10,6 +10,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from exporter.problems import Problem, problem_response
 
 
+def _closing(problem: Problem) -> Problem:
+    """The problem with ``Connection: close``: the rest of that body is never read, so the connection ends."""
+    problem.headers["Connection"] = "close"
+    return problem
+
+
 class RequestGuard:
     """ASGI middleware: 413 for bodies over ``max_bytes`` (at once when ``Content-Length`` says so,
     before any body is read), 408 when a body takes longer than ``read_timeout`` seconds to arrive."""
@@ -20,8 +26,14 @@ class RequestGuard:
         self.read_timeout = read_timeout
 
     def _too_large(self) -> Problem:
-        return Problem(
-            413, "Request body too large", f"request bodies are limited to {self.max_bytes} bytes", "body", "too_large"
+        return _closing(
+            Problem(
+                413,
+                "Request body too large",
+                f"request bodies are limited to {self.max_bytes} bytes",
+                "body",
+                "too_large",
+            )
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -30,9 +42,7 @@ class RequestGuard:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            response = problem_response(Request(scope), self._too_large())
-            response.headers["Connection"] = "close"
-            await response(scope, receive, send)
+            await problem_response(Request(scope), self._too_large())(scope, receive, send)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout
@@ -46,8 +56,14 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except TimeoutError:
-                raise Problem(
-                    408, "Request timeout", f"the body did not arrive within {self.read_timeout} s", "body", "timeout"
+                raise _closing(
+                    Problem(
+                        408,
+                        "Request timeout",
+                        f"the body did not arrive within {self.read_timeout} s",
+                        "body",
+                        "timeout",
+                    )
                 ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

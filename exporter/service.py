@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Annotated, Any
 
 import msgspec
@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from exporter import __version__
 from exporter.collector import CacheConfigCollector
-from exporter.exposition import Exposition
+from exporter.exposition import Exposition, accepts_gzip
 from exporter.limits import RequestGuard
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
 from exporter.security import Credentials
@@ -181,10 +181,14 @@ def create_app(
     app.add_exception_handler(RequestValidationError, handle_validation_error)
 
     async def current(request: Request) -> None:
-        """Access check for reads, then catch up with other workers' commits."""
+        """Access check for reads, then catch up with other workers' commits.
+
+        While the store cannot be read (locked), reads serve this worker's last good state.
+        """
         credentials.require_reader(request)
         if shared_store:
-            await _committed(state.refresh(), "Refresh")
+            with suppress(StorageUnavailable):
+                await asyncio.wrap_future(state.refresh())
 
     async def found(request: Request, name: str) -> Deployment:
         await current(request)
@@ -261,7 +265,7 @@ def create_app(
     async def get_metrics(request: Request) -> Response:
         await current(request)
         accept = request.headers.get("accept", "")
-        gzip = "gzip" in request.headers.get("accept-encoding", "")
+        gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
         if exposition.is_fresh(gzip):
             chunks, content_type = exposition.render(accept, gzip)
         else:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import msgspec
 
-from exporter.storage import Store, StoredDeployment
+from exporter.storage import StorageError, Store, StoredDeployment
 from protocol import (
     CacheConfig,
     CacheConfigUpdate,
@@ -144,7 +144,10 @@ class ExporterState:
         self._base = base
         self._clock = clock
         self._limits = limits or Limits()
-        self._deployments: Mapping[str, Deployment] = self._load()
+        try:
+            self._deployments: Mapping[str, Deployment] = self._load()
+        except (sqlite3.Error, InvalidPayload, msgspec.DecodeError) as error:
+            raise StorageError(f"cannot load storage {store.path}: {error}") from None
         # Bumped whenever what /metrics shows may have changed; caches key on it.
         self.version = 0
         self.storage_error: str | None = None
@@ -295,15 +298,20 @@ class ExporterState:
                         outcomes.append((future, change(batch), None))
                     except InvalidPayload as refused:
                         outcomes.append((future, None, refused))
+                    except Exception as bug:  # fails this change alone (a 500), never the writer thread
+                        log.exception("change failed")
+                        outcomes.append((future, None, bug))
                 for write in batch.writes:
                     write(self._store)
-                if not jobs:
-                    self._store.probe()
-        except sqlite3.Error as error:
-            if self.storage_error is None:
-                log.error("storage failing, writes refused until it recovers: %s", error)
-            self.storage_error = str(error)
-            failure = StorageUnavailable(str(error))
+        except Exception as error:
+            failure: Exception = error
+            if isinstance(error, sqlite3.Error):
+                if self.storage_error is None:
+                    log.error("storage failing, writes refused until it recovers: %s", error)
+                self.storage_error = str(error)
+                failure = StorageUnavailable(str(error))
+            else:
+                log.exception("batch failed, nothing committed")
             answered = {id(future) for future, _, _ in outcomes}
             for future, _, refused in outcomes:
                 future.set_exception(refused or failure)
@@ -311,7 +319,9 @@ class ExporterState:
                 if id(future) not in answered:
                     future.set_exception(failure)
             return
-        if self.storage_error is not None:
+        # Only a committed write shows that the store takes writes again: a batch without one
+        # (a refresh, refused changes, or none at all) also commits on a full disk.
+        if self.storage_error is not None and (batch.writes or self._probe()):
             log.warning("storage recovered")
             self.storage_error = None
         if current is not self._deployments or batch.changed:
@@ -328,6 +338,16 @@ class ExporterState:
                 future.set_result(result)
             else:
                 future.set_exception(refused)
+
+    def _probe(self) -> bool:
+        """Commit one probe write; True when it went through."""
+        try:
+            with self._store.transaction():
+                self._store.probe()
+        except sqlite3.Error as error:
+            self.storage_error = str(error)
+            return False
+        return True
 
     # Building deployments ----------------------------------------------------
 

@@ -7,6 +7,7 @@ on load, so a fix to the sync rules applies to stored data too.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,29 +65,40 @@ class Store:
             self._db = sqlite3.connect(
                 path, check_same_thread=False, isolation_level=None, timeout=LOCK_TIMEOUT_SECONDS
             )
-            self._check_foreign()
+            complete = self._check_foreign()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            with self.transaction():
-                for statement in _SCHEMA:
-                    self._db.execute(statement)
-                self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
-                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if not complete:  # a file with the whole schema is not written before its contents are loaded
+                with self.transaction():
+                    for statement in _SCHEMA:
+                        self._db.execute(statement)
+                    self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                    self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._data_version = self._read_data_version()
         except (sqlite3.Error, OSError) as error:
-            raise StorageError(f"cannot open storage {path}: {error}") from None
+            hint = "" if os.access(path.parent, os.W_OK) else " (its directory is read-only)"
+            raise StorageError(f"cannot open storage {path}: {error}{hint}") from None
 
-    def _check_foreign(self) -> None:
-        """Refuse a file that is not SQLite, or is another program's SQLite database."""
+    def _check_foreign(self) -> bool:
+        """Refuse a file that is not SQLite, is damaged, or is another program's SQLite database.
+
+        True when the file already holds this exporter's whole current schema.
+        """
         application_id = self._db.execute("PRAGMA application_id").fetchone()[0]
-        tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
         if application_id == APPLICATION_ID:
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise StorageError(f"{self.path} has schema version {version}, newer than this exporter's")
-        elif application_id != 0 or tables:
+            # Checked before the first write: a damaged file of ours is refused as it is, never rewritten.
+            problems = " ".join(" ".join(row[0] for row in self._db.execute("PRAGMA quick_check(3)")).split())
+            if problems != "ok":
+                raise StorageError(f"{self.path} is damaged ({problems}); refusing to touch it")
+            return version == SCHEMA_VERSION and {"deployments", "engines", "probe"} <= tables
+        if application_id != 0 or tables:
             raise StorageError(f"{self.path} is a database of another program; refusing to touch it")
+        return False
 
     def _read_data_version(self) -> int:
         return self._db.execute("PRAGMA data_version").fetchone()[0]

@@ -106,3 +106,5 @@ def decode_cache_config_update(data: bytes, document_format: str = "json") -> ms
         return decoder(data, type=CacheConfigUpdate)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
+    except RecursionError:
+        raise InvalidPayload("$", "nested too deeply", malformed=True) from None

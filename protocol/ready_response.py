@@ -94,6 +94,8 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
         return _decoders[wire_format].decode(payload)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
+    except RecursionError:  # msgspec's depth guard, e.g. deeply nested values of an unknown (skipped) key
+        raise InvalidPayload("$", "nested too deeply", malformed=True) from None
 
 
 def encode_ready_response(response: EngineCoreReadyResponse) -> bytes:

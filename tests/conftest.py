@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -9,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from exporter.service import create_app
 from exporter.settings import Settings
+from tests.reliability import pytest_terminal_summary  # noqa: F401  (prints the reliability figures)
 from tests.support import ExporterProcess
 
 
@@ -39,8 +41,10 @@ def start_exporter(tmp_path: Path) -> Iterator[Callable[..., ExporterProcess]]:
     """Start real exporter processes (``storage`` defaults to a file in this test's temp dir)."""
     processes: list[ExporterProcess] = []
 
-    def start(*args: str, storage: Path | None = None, env: dict[str, str] | None = None) -> ExporterProcess:
-        process = ExporterProcess(storage or tmp_path / "exporter.db", *args, env=env).start()
+    def start(
+        *args: str, storage: Path | None = None, env: dict[str, str] | None = None, **options: Any
+    ) -> ExporterProcess:
+        process = ExporterProcess(storage or tmp_path / "exporter.db", *args, env=env, **options).start()
         processes.append(process)
         return process
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -68,21 +69,33 @@ def require_binary(name: str) -> str:
 
 
 class ExporterProcess:
-    """``cache-config-exporter serve`` as a real subprocess on a free loopback port."""
+    """``cache-config-exporter serve`` as a real subprocess on a free port, always reached on loopback.
 
-    def __init__(self, storage: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    ``host`` is the address it listens on; with ``tls`` (a context trusting its certificate) it is reached by HTTPS.
+    """
+
+    def __init__(
+        self,
+        storage: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.storage = storage
         self.args = args
         self.env = env
+        self.host = host
+        self.tls = tls
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
         self.log = storage.with_suffix(".log")
 
     def start(self) -> ExporterProcess:
         command = [
             sys.executable, "-m", "exporter", "serve",
-            "--web.listen-address", f"127.0.0.1:{self.port}",
+            "--web.listen-address", f"{self.host}:{self.port}",
             "--storage.path", str(self.storage),
             *self.args,
         ]  # fmt: skip
@@ -96,7 +109,7 @@ class ExporterProcess:
         if self.process.poll() is not None:
             raise AssertionError(f"exporter exited with {self.process.returncode}:\n{self.log.read_text()}")
         try:
-            with urllib.request.urlopen(f"{self.url}/-/healthy", timeout=1) as response:
+            with urllib.request.urlopen(f"{self.url}/-/healthy", timeout=1, context=self.tls) as response:
                 return response.status == 200
         except OSError:
             return False

@@ -84,3 +84,12 @@ def test_nothing_is_acknowledged_or_shown_when_the_commit_fails(gated: tuple[Gat
     state.apply_ready("after", 0, RESPONSE).result(timeout=10)
     assert state.storage_error is None
     assert {stored.name for stored in Store(store.path).load()} == {"kept", "after"}
+
+
+def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tuple[GatedStore, ExporterState]) -> None:
+    store, state = gated
+    store.gate.set()
+    broken = state._submit(lambda batch: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        broken.result(timeout=10)
+    assert state.apply_ready("after", 0, RESPONSE).result(timeout=10).name == "after"
