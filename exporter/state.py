@@ -325,7 +325,7 @@ class ExporterState:
             log.warning("storage recovered")
             self.storage_error = None
         if current is not self._deployments or batch.changed:
-            merged = dict(current)
+            merged = current.copy()  # the underlying dict at C speed; dict(proxy) goes key by key
             for name, deployment in batch.changed.items():
                 if deployment is None:
                     merged.pop(name, None)
