@@ -16,9 +16,6 @@ function init(args)
 end
 
 function request()
-  if #requests == 0 then
-    return wrk.format()
-  end
   position = position % #requests + 1
   return requests[position]
 end
