@@ -38,6 +38,7 @@ from exporter.state import Deployment, ExporterState, LimitExceeded, Limits, Sto
 from exporter.storage import Store
 from exporter.telemetry import ExporterMetrics
 from protocol import (
+    EngineCoreReadyResponse,
     InvalidPayload,
     SyncConflict,
     check_engine_index,
@@ -84,11 +85,15 @@ class ChunkedBody(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": index < last})
 
 
-def _json_response(value: object, status_code: int = 200) -> Response:
-    return Response(_json.encode(value), status_code=status_code, media_type="application/json")
+def _json_response(value: object) -> Response:
+    return Response(_json.encode(value), media_type="application/json")
 
 
-def _check_deployment_name(name: str) -> str:
+def _unknown_deployment(name: str) -> Problem:
+    return Problem(404, "Unknown deployment", f"no deployment named {name!r}", "deployment", "not_found")
+
+
+def _check_deployment_name(name: str) -> None:
     if len(name) > MAX_DEPLOYMENT_NAME or not _DEPLOYMENT.fullmatch(name) or "/engines/" in f"/{name}/":
         raise Problem(
             422,
@@ -98,7 +103,6 @@ def _check_deployment_name(name: str) -> str:
             "deployment",
             "invalid_request",
         )
-    return name
 
 
 def _wire_format(request: Request, accepted: dict[str, str]) -> str:
@@ -194,7 +198,7 @@ def create_app(
         await current(request)
         deployment = state.get(name)
         if deployment is None:
-            raise Problem(404, "Unknown deployment", f"no deployment named {name!r}", "deployment", "not_found")
+            raise _unknown_deployment(name)
         return deployment
 
     async def ingest(name: str, request: Request, engine: int | None) -> Response:
@@ -258,7 +262,7 @@ def create_app(
     async def delete_deployment(deployment: str, request: Request) -> Response:
         credentials.require_ingest(request)
         if not await _committed(state.delete_deployment(deployment), "Invalid request"):
-            raise Problem(404, "Unknown deployment", f"no deployment named {deployment!r}", "deployment", "not_found")
+            raise _unknown_deployment(deployment)
         return Response(status_code=204)
 
     @app.get(settings.telemetry_path, include_in_schema=False)
@@ -297,6 +301,6 @@ def create_app_from_environment() -> FastAPI:
     return create_app(Settings.from_environment())
 
 
-def _rank(response: Any) -> int:
+def _rank(response: EngineCoreReadyResponse) -> int:
     rank = response.data_parallel_rank
     return rank if isinstance(rank, int) else 0
