@@ -11,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import msgspec
 from prometheus_client.utils import floatToGoString
 
 from exporter.state import Deployment
-from protocol import is_set, render_labels
-from protocol.cache_config import LABEL_NAMES
 
 
 @dataclass(frozen=True)
@@ -25,11 +22,20 @@ class Family:
     help: str
 
 
-INFO = Family("info", "Information of the LLMEngine CacheConfig, synced from the engines' ready responses.")
+INFO = Family(
+    "info",
+    "Information of the LLMEngine CacheConfig: the labels of the sending vLLM release, synced from the engines' "
+    "ready responses, with the block sizes the engines really run with.",
+)
 # Per-engine figures, each named after the ready-response field it reports.
 ENGINE_GAUGES = (
     Family("block_size", "KV-cache block size in tokens this engine runs with."),
     Family("mamba_block_size", "Mamba block size in tokens this engine runs with (absent without Mamba layers)."),
+    Family(
+        "vllm_mamba_block_size",
+        "mamba_block_size as vLLM's own cache_config_info shows it for this engine (the engine core's report from "
+        "0.29, the configured value before); where it differs from cache_config_mamba_block_size, vLLM's is wrong.",
+    ),
     Family("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the deployment total)."),
     Family("max_model_len", "Longest sequence this engine accepts, in tokens."),
     Family("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
@@ -60,27 +66,19 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return ",".join(f'{name}="{escape_label_value(value)}"' for name, value in pairs)
 
 
-def _engine_value(deployment: Deployment, engine: int, field: str) -> float | None:
-    """An engine's own figure; for a block size it did not report, the deployment's base value."""
-    value = getattr(deployment.engines[engine].response, field)
-    if value is msgspec.UNSET and field in ("block_size", "mamba_block_size"):
-        value = getattr(deployment.base, field)
-    return value if is_set(value) else None
-
-
 def render_deployment(deployment: Deployment, prefix: str) -> tuple[bytes, ...]:
     """The lines of one deployment, one bytes string per family of ``FAMILIES`` (in that order)."""
     lines: dict[Family, list[str]] = {family: [] for family in FAMILIES}
     if deployment.engines:
         name = f"{prefix}cache_config_"
-        config_labels = render_labels(deployment.synced.config)
-        info_labels = _labels((label, config_labels[label]) for label in LABEL_NAMES)
+        info_labels = _labels(deployment.synced.labels.items())
         deployment_label = f'deployment="{escape_label_value(deployment.name)}"'
         for engine in sorted(deployment.engines):
             key = f'{deployment_label},engine="{engine}"'
             lines[INFO].append(f"{name}info{{{key},{info_labels}}} 1.0\n")
+            figures = deployment.synced.engines[engine]
             for family in ENGINE_GAUGES:
-                value = _engine_value(deployment, engine, family.suffix)
+                value = getattr(figures, family.suffix)
                 if value is not None:
                     lines[family].append(f"{name}{family.suffix}{{{key}}} {format_value(value)}\n")
             received = deployment.engines[engine].received_at
@@ -89,10 +87,9 @@ def render_deployment(deployment: Deployment, prefix: str) -> tuple[bytes, ...]:
             lines[DISTINCT].append(
                 f'{name}{DISTINCT.suffix}{{{deployment_label},field="{field}"}} {format_value(count)}\n'
             )
-        sizes = [r.response.data_parallel_size for r in deployment.engines.values()]
-        sizes = [size for size in sizes if is_set(size)]
-        if sizes:
-            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {format_value(max(sizes))}\n")
+        parallel = deployment.synced.data_parallel_size
+        if parallel is not None:
+            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {format_value(parallel)}\n")
     return tuple("".join(lines[family]).encode() for family in FAMILIES)
 
 

@@ -1,8 +1,10 @@
 """Durable storage of what the exporter was told: SQLite, committed before any 2xx answer.
 
-Only inputs are stored (each deployment's static config and instance, each
-engine's latest ready response); the synced config is derived from them again
-on load, so a fix to the sync rules applies to stored data too.
+Only inputs are stored (each deployment's static labels and instance, each
+engine's latest ready response as the bytes received, with their wire format);
+the synced config is derived from them again on load, so a fix to the sync rules
+or a newer release table applies to stored data too, and no key an engine sent
+is ever lost.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 # "CCEX": marks a file as ours, so a foreign SQLite file is never written to.
 APPLICATION_ID = 0x43434558
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # How long a write waits for another process's transaction before it counts as a storage fault.
 LOCK_TIMEOUT_SECONDS = 1.0
 
@@ -31,14 +33,26 @@ _SCHEMA = (
         engine INTEGER NOT NULL,
         response BLOB NOT NULL,
         received_at REAL NOT NULL,
+        wire_format TEXT NOT NULL DEFAULT 'msgpack',
         PRIMARY KEY (deployment, engine)
     )""",
     "CREATE TABLE IF NOT EXISTS probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL)",
 )
+# From each older schema version to the next; version 1 stored re-encoded msgpack only.
+_MIGRATIONS = {1: ("ALTER TABLE engines ADD COLUMN wire_format TEXT NOT NULL DEFAULT 'msgpack'",)}
 
 
 class StorageError(RuntimeError):
     """The store cannot be opened; the message says why."""
+
+
+@dataclass
+class StoredEngine:
+    """One engine's ready response as received."""
+
+    payload: bytes
+    wire_format: str
+    received_at: float
 
 
 @dataclass
@@ -48,7 +62,7 @@ class StoredDeployment:
     name: str
     static_config: bytes
     instance_id: str | None
-    engines: dict[int, tuple[bytes, float]] = field(default_factory=dict)
+    engines: dict[int, StoredEngine] = field(default_factory=dict)
 
 
 class Store:
@@ -65,25 +79,30 @@ class Store:
             self._db = sqlite3.connect(
                 path, check_same_thread=False, isolation_level=None, timeout=LOCK_TIMEOUT_SECONDS
             )
-            complete = self._check_foreign()
+            version = self._check_foreign()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            if not complete:  # a file with the whole schema is not written before its contents are loaded
+            if version != SCHEMA_VERSION:  # a file with the whole schema is not written before its contents are loaded
                 with self.transaction():
-                    for statement in _SCHEMA:
-                        self._db.execute(statement)
-                    self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                    if version == 0:
+                        for statement in _SCHEMA:
+                            self._db.execute(statement)
+                        self._db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                    else:
+                        for older in range(version, SCHEMA_VERSION):
+                            for statement in _MIGRATIONS[older]:
+                                self._db.execute(statement)
                     self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._data_version = self._read_data_version()
         except (sqlite3.Error, OSError) as error:
             hint = "" if os.access(path.parent, os.W_OK) else " (its directory is read-only)"
             raise StorageError(f"cannot open storage {path}: {error}{hint}") from None
 
-    def _check_foreign(self) -> bool:
+    def _check_foreign(self) -> int:
         """Refuse a file that is not SQLite, is damaged, or is another program's SQLite database.
 
-        True when the file already holds this exporter's whole current schema.
+        The schema version of the file: 0 for a new one, ``SCHEMA_VERSION`` when it is current.
         """
         application_id = self._db.execute("PRAGMA application_id").fetchone()[0]
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
@@ -95,10 +114,10 @@ class Store:
             problems = " ".join(" ".join(row[0] for row in self._db.execute("PRAGMA quick_check(3)")).split())
             if problems != "ok":
                 raise StorageError(f"{self.path} is damaged ({problems}); refusing to touch it")
-            return version == SCHEMA_VERSION and {"deployments", "engines", "probe"} <= tables
+            return version if {"deployments", "engines", "probe"} <= tables else 0
         if application_id != 0 or tables:
             raise StorageError(f"{self.path} is a database of another program; refusing to touch it")
-        return False
+        return 0
 
     def _read_data_version(self) -> int:
         return self._db.execute("PRAGMA data_version").fetchone()[0]
@@ -110,7 +129,18 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """One immediate transaction: committed on success, rolled back on any error."""
-        self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction("BEGIN IMMEDIATE"):
+            yield
+
+    @contextmanager
+    def read_transaction(self) -> Iterator[None]:
+        """A transaction that only reads: it never waits for another process's write lock (WAL)."""
+        with self._transaction("BEGIN DEFERRED"):
+            yield
+
+    @contextmanager
+    def _transaction(self, begin: str) -> Iterator[None]:
+        self._db.execute(begin)
         try:
             yield
         except BaseException:
@@ -126,10 +156,10 @@ class Store:
                 "SELECT name, static_config, instance_id FROM deployments ORDER BY name"
             )
         }
-        for name, engine, response, received_at in self._db.execute(
-            "SELECT deployment, engine, response, received_at FROM engines"
+        for name, engine, payload, wire_format, received_at in self._db.execute(
+            "SELECT deployment, engine, response, wire_format, received_at FROM engines"
         ):
-            deployments[name].engines[engine] = (response, received_at)
+            deployments[name].engines[engine] = StoredEngine(payload, wire_format, received_at)
         self._data_version = self._read_data_version()
         return list(deployments.values())
 
@@ -141,10 +171,11 @@ class Store:
             (name, static_config, instance_id),
         )
 
-    def save_engine(self, deployment: str, engine: int, response: bytes, received_at: float) -> None:
+    def save_engine(self, deployment: str, engine: int, stored: StoredEngine) -> None:
         self._db.execute(
-            "INSERT OR REPLACE INTO engines (deployment, engine, response, received_at) VALUES (?, ?, ?, ?)",
-            (deployment, engine, response, received_at),
+            "INSERT OR REPLACE INTO engines (deployment, engine, response, wire_format, received_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (deployment, engine, stored.payload, stored.wire_format, stored.received_at),
         )
 
     def delete_engines(self, deployment: str) -> None:

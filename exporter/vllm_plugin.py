@@ -9,14 +9,15 @@ parentage would be fragile (several API server processes, Ray, forking
 launchers), whereas the method runs exactly where the payloads arrive.
 
 The wrapper runs vLLM's method first and unchanged, then only queues the
-bytes: one daemon thread PUTs the frontend's static cache config and then
-POSTs every payload in order, with a short timeout and bounded retries. A
-failure logs one warning and never reaches vLLM, and vLLM's start-up never
-waits for the exporter.
+bytes with the frontend's ``cache_config.metrics_info()`` (the labels of vLLM's
+own ``vllm:cache_config_info``, exactly as vLLM renders them): one daemon thread
+PUTs that map whenever it changed since it was last sent, then POSTs the payload
+unchanged, in order, with a short timeout and bounded retries. A failure logs
+one warning and never reaches vLLM, and vLLM's start-up never waits for the
+exporter.
 
-Imports only the standard library and ``protocol`` (msgspec, which vLLM
-depends on too), and vLLM only inside ``register()``, so that loading the
-plugin costs nothing where it is switched off.
+Imports only the standard library, and vLLM only inside ``register()``, so
+that loading the plugin costs nothing where it is switched off.
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import msgspec
-
 from exporter import __version__
-from protocol.cache_config import CacheConfig, CacheConfigUpdate
 
 URL_VARIABLE = "CACHE_CONFIG_EXPORTER_URL"
 DEPLOYMENT_VARIABLE = "CACHE_CONFIG_EXPORTER_DEPLOYMENT"
@@ -60,8 +58,13 @@ FORWARDER_ATTRIBUTE = "cache_config_exporter_forwarder"
 # RFC 7230 visible characters: anything else could break the header (and land in an error message).
 _BEARER_TOKEN = re.compile(r"[!-~]+")
 _USER_AGENT = f"cache-config-exporter-vllm-plugin/{__version__}"
-_FIELDS = msgspec.structs.fields(CacheConfig)
-_MISSING = object()
+# The exporter's deployment names: ``/``-separated segments, at most this long.
+_NAME_SEGMENT_START = re.compile(r"[^A-Za-z0-9_]")
+_NAME_SEGMENT_REST = re.compile(r"[^A-Za-z0-9_.:@+-]")
+MAX_DEPLOYMENT_LENGTH = 200
+DEFAULT_DEPLOYMENT = "default"
+# A served model name that is a path, not a name: ``vllm serve /models/llama`` without ``--served-model-name``.
+_PATH_PREFIXES = ("/", "./", "../", "~")
 
 # A child of vLLM's own logger, so that messages appear in vLLM's log with its format.
 logger = logging.getLogger("vllm.cache_config_exporter")
@@ -117,7 +120,7 @@ def _timeout(value: str | None) -> float:
 
 class _Job(NamedTuple):
     deployment: str
-    config: dict[str, Any]
+    config: dict[str, str]
     payload: bytes
 
 
@@ -125,35 +128,46 @@ class _DeliveryFailed(Exception):
     """A job that cannot be delivered; the message says why and is fit for the log."""
 
 
+class _ConfigRefused(Exception):
+    """The exporter refused one field of the static config; the ready response still goes."""
+
+    def __init__(self, field_name: str, detail: str) -> None:
+        super().__init__(f"{field_name}: {detail}")
+        self.field_name = field_name
+        self.detail = detail
+
+
+def fit_deployment_name(name: str) -> str:
+    """``name`` made to fit the exporter's rule: every character it does not allow becomes ``_``."""
+    segments = [segment for segment in name.split("/") if segment]
+    fitted = "/".join(
+        _NAME_SEGMENT_START.sub("_", segment[0]) + _NAME_SEGMENT_REST.sub("_", segment[1:]) for segment in segments
+    )
+    return fitted[:MAX_DEPLOYMENT_LENGTH].rstrip("/") or DEFAULT_DEPLOYMENT
+
+
 def deployment_of(client: object, configured: str | None) -> str:
-    """The configured deployment, else vLLM's (first) served model name, else ``default``."""
+    """The configured deployment, else vLLM's (first) served model name, else ``default``, fit for the exporter.
+
+    A model served by path is named after the path's last component: the whole
+    path says where the files lie on one machine, not what is served.
+    """
+    if configured:
+        return fit_deployment_name(configured)
     model_config = getattr(getattr(client, "vllm_config", None), "model_config", None)
     name = getattr(model_config, "served_model_name", None)
     if isinstance(name, list | tuple):
         name = name[0] if name else None
-    return configured or (name if isinstance(name, str) and name else "default")
+    if not isinstance(name, str) or not name:
+        return DEFAULT_DEPLOYMENT
+    if name.startswith(_PATH_PREFIXES):
+        name = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(name))))
+    return fit_deployment_name(name)
 
 
-def static_config_of(client: object) -> dict[str, Any]:
-    """The CacheConfig fields the exporter knows, keyed and valued as vLLM holds them.
-
-    A field this vLLM lacks, or whose value does not fit the exporter's schema,
-    is left out rather than failing the whole document: the exporter then uses
-    its own default for it.
-    """
-    cache_config = getattr(getattr(client, "vllm_config", None), "cache_config", None)
-    config: dict[str, Any] = {}
-    for config_field in _FIELDS:
-        value = getattr(cache_config, config_field.encode_name, _MISSING)
-        if value is _MISSING:
-            continue
-        try:
-            update = msgspec.convert({config_field.encode_name: value}, CacheConfigUpdate)
-        except msgspec.ValidationError as error:
-            logger.debug("not sending cache config field %s: %s", config_field.encode_name, error)
-            continue
-        config[config_field.encode_name] = getattr(update, config_field.name)
-    return config
+def static_config_of(client: object) -> dict[str, str]:
+    """The frontend's ``cache_config.metrics_info()``: vLLM's own labels, as vLLM renders them."""
+    return dict(client.vllm_config.cache_config.metrics_info())  # type: ignore[attr-defined]
 
 
 class Forwarder:
@@ -166,17 +180,32 @@ class Forwarder:
         self._jobs: deque[_Job] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._configured: set[str] = set()
+        # Per deployment, the config last sent (accepted or refused): PUT again only when it changed.
+        self._sent_configs: dict[str, dict[str, str]] = {}
+        self._named: set[str] = set()
+        self._refusals: set[tuple[str, str]] = set()
         self._failing = False
         self._token: str | None = None
 
     def submit(self, client: object, payload: bytes) -> None:
-        """Queue ``payload`` with ``client``'s deployment and static config; never blocks, never raises."""
+        """Queue ``payload`` with ``client``'s deployment and static config; never blocks, never raises.
+
+        An empty payload (what engines before 0.20 send first) carries nothing to forward.
+        """
+        if not payload:
+            return
         try:
             job = _Job(deployment_of(client, self._target.deployment), static_config_of(client), bytes(payload))
         except Exception as error:
             self._report(f"cannot read the ready response or vLLM's config: {error!r}")
             return
+        if job.deployment not in self._named:
+            self._named.add(job.deployment)
+            logger.info(
+                "cache-config-exporter: forwarding the ready responses of deployment %r to %s",
+                job.deployment,
+                self._target.url,
+            )
         with self._condition:
             if self._closed:
                 return
@@ -224,15 +253,30 @@ class Forwarder:
                 self._condition.notify_all()
 
     def _deliver(self, job: _Job) -> None:
-        """PUT the deployment's static config once, then POST the payload: labels match vLLM's from the start."""
+        """PUT the deployment's static config if it changed, then POST the payload: labels match vLLM's throughout."""
         headers = self._authorization()
         deployment = urllib.parse.quote(job.deployment, safe="/")
-        if job.deployment not in self._configured:
-            body = msgspec.json.encode(job.config)
-            self._send("PUT", f"/api/v1/deployments/{deployment}/cache-config", body, "application/json", headers)
-            self._configured.add(job.deployment)
-            logger.info("cache-config-exporter: sent the cache config of %r to %s", job.deployment, self._target.url)
+        if self._sent_configs.get(job.deployment) != job.config:
+            body = json.dumps(job.config).encode()
+            try:
+                self._send("PUT", f"/api/v1/deployments/{deployment}/cache-config", body, "application/json", headers)
+            except _ConfigRefused as refusal:
+                self._refused(job.deployment, refusal)
+            self._sent_configs[job.deployment] = job.config
         self._send("POST", f"/api/v1/deployments/{deployment}/ready", job.payload, "application/vnd.msgpack", headers)
+
+    def _refused(self, deployment: str, refusal: _ConfigRefused) -> None:
+        """One warning per refused field and reason: the value is neither dropped silently nor converted."""
+        if (refusal.field_name, refusal.detail) in self._refusals:
+            return
+        self._refusals.add((refusal.field_name, refusal.detail))
+        logger.warning(
+            "cache-config-exporter: the exporter refused the cache config of %r because of field %r: %s. "
+            "Its ready responses are still forwarded, but the exporter does not show this field as vLLM has it.",
+            deployment,
+            refusal.field_name,
+            refusal.detail,
+        )
 
     def _authorization(self) -> dict[str, str]:
         """The bearer header, from the token file (read afresh, so it may rotate) or the token variable."""
@@ -251,7 +295,10 @@ class Forwarder:
         return {"Authorization": f"Bearer {token}"}
 
     def _send(self, method: str, path: str, body: bytes, content_type: str, headers: dict[str, str]) -> None:
-        """One request, retried with backoff while the exporter may recover; raises ``_DeliveryFailed``."""
+        """One request, retried with backoff while the exporter may recover.
+
+        Raises ``_ConfigRefused`` when a PUT is refused for one field, else ``_DeliveryFailed``.
+        """
         url = f"{self._target.url}{path}"
         request = urllib.request.Request(
             url, data=body, method=method, headers={"Content-Type": content_type, "User-Agent": _USER_AGENT}
@@ -267,7 +314,11 @@ class Forwarder:
                 return
             except urllib.error.HTTPError as error:
                 with error:
-                    reason = f"HTTP {error.code}{_problem_detail(error)}"
+                    problem = _problem(error)
+                detail = problem.get("detail")
+                reason = f"HTTP {error.code}: {str(detail)[:200]}" if detail else f"HTTP {error.code}"
+                if method == "PUT" and 400 <= error.code < 500 and problem.get("field"):
+                    raise _ConfigRefused(str(problem["field"]), str(detail)[:200]) from None
                 if error.code not in RETRY_STATUSES:
                     raise _DeliveryFailed(f"{method} {url}: {reason}") from None
             except (OSError, http.client.HTTPException) as error:
@@ -303,13 +354,13 @@ class Forwarder:
             logger.info("cache-config-exporter: %s is reachable again", self._target.url)
 
 
-def _problem_detail(error: urllib.error.HTTPError) -> str:
-    """The ``detail`` of the exporter's problem document, if there is one, for the warning."""
+def _problem(error: urllib.error.HTTPError) -> dict[str, Any]:
+    """The exporter's problem document (``detail``, and ``field`` for a refused field), or an empty one."""
     try:
-        detail = json.loads(error.read(4096)).get("detail")
-    except (OSError, ValueError, AttributeError):
-        return ""
-    return f": {str(detail)[:200]}" if detail else ""
+        problem = json.loads(error.read(4096))
+    except (OSError, ValueError):
+        return {}
+    return problem if isinstance(problem, dict) else {}
 
 
 def _wrap(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
@@ -347,3 +398,6 @@ def register() -> None:
     if hasattr(original, FORWARDER_ATTRIBUTE):
         return
     client_class._apply_ready_response = _wrap(original, Forwarder(target))
+    # In vLLM's API server this runs before vLLM sets up its log handler, so the line shows in the
+    # engine core's and workers' log; the frontend logs the deployment's line with its first payload.
+    logger.info("cache-config-exporter: forwarding ready responses to %s", target.url)

@@ -1,37 +1,34 @@
-"""The vLLM wire format and the cache-config sync rules.
+"""The vLLM wire format, each release's labels and the cache-config sync rules.
 
 Free of web and metrics imports, so that an engine-side sender can use it alone.
 """
 
-from protocol.cache_config import (
-    CacheConfig,
-    CacheConfigUpdate,
-    apply_update,
-    decode_cache_config_update,
-    render_labels,
-)
 from protocol.errors import InvalidPayload, SyncConflict
+from protocol.labels import decode_static_labels
 from protocol.ready_response import (
     EngineCoreReadyResponse,
+    decode_as_sent,
     decode_ready_response,
     encode_ready_response,
     is_set,
 )
-from protocol.sync import SyncedConfig, check_engine_index, sync
+from protocol.releases import Release, release_of, releases
+from protocol.sync import EngineFigures, SyncedConfig, check_engine_index, sync
 
 __all__ = [
-    "CacheConfig",
-    "CacheConfigUpdate",
     "EngineCoreReadyResponse",
+    "EngineFigures",
     "InvalidPayload",
+    "Release",
     "SyncConflict",
     "SyncedConfig",
-    "apply_update",
     "check_engine_index",
-    "decode_cache_config_update",
+    "decode_as_sent",
     "decode_ready_response",
+    "decode_static_labels",
     "encode_ready_response",
     "is_set",
-    "render_labels",
+    "release_of",
+    "releases",
     "sync",
 ]

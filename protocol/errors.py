@@ -24,6 +24,8 @@ class InvalidPayload(ValueError):
         """Split msgspec's ``"reason - at `$.path`"`` message into path and reason."""
         reason, marker, path = str(error).rpartition(" - at `")
         path = path.rstrip("`") if marker else "$"
+        # A map key that fails: msgspec says "at `key` in `$.path`".
+        path = path.rpartition("key` in `")[2]
         reason = reason if marker else str(error)
         unknown = _UNKNOWN_FIELD.fullmatch(reason)
         if unknown:

@@ -1,11 +1,12 @@
 """vLLM's ``EngineCoreReadyResponse``: the message an engine core sends once its KV cache is up.
 
-The schema is the code: field order, names and wire types follow vLLM, which
-encodes the struct with ``msgspec.msgpack.encode`` as a map keyed by field name.
-Only ``max_model_len`` and ``num_gpu_blocks`` exist in every vLLM version; every
-later field defaults to ``UNSET`` so that a decoded old payload re-encodes
-without the keys it never had (an absent key and an explicit ``None`` mean
-different things to the sync). Unknown keys from newer engines are ignored.
+The schema is the code: field order, names and wire types follow vLLM 0.34,
+which encodes its dataclass with ``msgspec.msgpack.encode`` as a map keyed by
+field name, every field present. Only the three fields of 0.20 are required;
+every later field defaults to ``UNSET`` so that a decoded payload tells which
+keys its engine sent (an absent key and an explicit ``None`` mean different
+things to the sync). Unknown keys from newer engines are ignored here; the
+exporter keeps the bytes as received, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from protocol.errors import InvalidPayload
+from protocol.releases import newest
 
 # Bounds that no real engine comes near; they turn corrupt or hostile numbers
 # into a precise validation error instead of a nonsensical metric.
@@ -24,6 +26,8 @@ MAX_BLOCKS = 1 << 40
 MAX_BLOCK_SIZE = 1 << 24
 MAX_PARALLEL = 1 << 16
 MAX_TEXT = 256
+MAX_LABELS = 128
+MAX_LABEL_VALUE = 4096
 
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Tokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
@@ -32,8 +36,14 @@ BlockCount = Annotated[int, Meta(ge=0, le=MAX_BLOCKS)]
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 ParallelSize = Annotated[int, Meta(ge=1, le=MAX_PARALLEL)]
 Rank = Annotated[int, Meta(ge=0, le=MAX_PARALLEL - 1)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
 # NaN fails ``ge`` and infinity fails ``le``: both are rejected.
 Concurrency = Annotated[float, Meta(ge=0.0, le=float(MAX_TOKENS))]
+# A Prometheus label name that is not reserved (``__``) and not one the exporter adds itself.
+LABEL_NAME_PATTERN = r"^(?!__)(?!(deployment|engine|replica)$)[a-zA-Z_][a-zA-Z0-9_]{0,127}$"
+LabelName = Annotated[str, Meta(pattern=LABEL_NAME_PATTERN)]
+LabelValue = Annotated[str, Meta(max_length=MAX_LABEL_VALUE)]
+Labels = Annotated[dict[LabelName, LabelValue], Meta(max_length=MAX_LABELS)]
 
 
 class KVEventsConfig(msgspec.Struct, kw_only=True):
@@ -50,13 +60,13 @@ class KVEventsConfig(msgspec.Struct, kw_only=True):
 
 
 class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
-    """One engine's ready response, in vLLM's wire order."""
+    """One engine's ready response, every field of vLLM 0.20-0.34 in wire order."""
 
     max_model_len: Tokens
     num_gpu_blocks: BlockCount
     block_size: BlockSize | UnsetType = UNSET
-    dp_stats_address: Text | None = None
-    dtype: Text | UnsetType = UNSET
+    dp_stats_address: Text | UnsetType | None = UNSET
+    dtype: Text | UnsetType | None = UNSET
     vllm_version: Text | UnsetType = UNSET
     world_size: ParallelSize | UnsetType = UNSET
     data_parallel_size: ParallelSize | UnsetType = UNSET
@@ -76,21 +86,45 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
     weight_transfer_backend: Text | UnsetType | None = UNSET
     enable_sleep_mode: bool | UnsetType = UNSET
     supports_draft_weight_updates: bool | UnsetType = UNSET
+    effective_attention_block_size: BlockSize | UnsetType | None = UNSET
+    coord_store_port: Port | UnsetType = UNSET
+    coordinator_input_address: Text | UnsetType | None = UNSET
+    coordinator_output_address: Text | UnsetType | None = UNSET
+    vllm_config: dict[str, Any] | UnsetType | None = UNSET
+    prefix_hash_config: dict[str, Any] | UnsetType | None = UNSET
+    cache_config_info: Labels | UnsetType | None = UNSET
+    config_hash: Text | UnsetType | None = UNSET
+    enable_expert_parallel: bool | UnsetType = UNSET
+
+    def sent_keys(self) -> frozenset[str]:
+        """The fields the engine put on the wire (known ones; unknown keys are not decoded)."""
+        return frozenset(name for name in self.__struct_fields__ if getattr(self, name) is not UNSET)
+
+    def reported(self, name: str) -> Any:
+        """A field's value, ``None`` when the engine did not send it or sent ``None``."""
+        value = getattr(self, name)
+        return None if value is UNSET else value
 
 
 MSGPACK = "msgpack"
 JSON = "json"
+WIRE_FORMATS = (MSGPACK, JSON)
 
 _decoders: dict[str, Any] = {
     MSGPACK: msgspec.msgpack.Decoder(EngineCoreReadyResponse),
     JSON: msgspec.json.Decoder(EngineCoreReadyResponse),
 }
+_raw_decoders: dict[str, Any] = {MSGPACK: msgspec.msgpack.Decoder(), JSON: msgspec.json.Decoder()}
 _encoder = msgspec.msgpack.Encoder()
 
 
 def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineCoreReadyResponse:
     """Decode one ready response from msgpack (vLLM's wire format) or JSON."""
+    if not payload:
+        raise InvalidPayload("$", "the body is empty: expected one ready response", malformed=True)
     try:
+        # The whole payload must be well-formed, unknown keys included: it is kept and shown as sent.
+        _raw_decoders[wire_format].decode(payload)
         return _decoders[wire_format].decode(payload)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
@@ -98,9 +132,26 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
         raise InvalidPayload("$", "nested too deeply", malformed=True) from None
 
 
+def decode_as_sent(payload: bytes, wire_format: str = MSGPACK) -> Any:
+    """The payload as a plain map, unknown keys included (for showing what an engine sent)."""
+    return _raw_decoders[wire_format].decode(payload)
+
+
 def encode_ready_response(response: EngineCoreReadyResponse) -> bytes:
-    """Encode as vLLM does: a msgpack map keyed by field name (absent fields stay absent)."""
-    return _encoder.encode(response)
+    """Encode as vLLM 0.34 does: a msgpack map with every field, so every release's decoder accepts it.
+
+    A field that is not set takes vLLM's default; one that vLLM requires and
+    has no default for raises ``ValueError`` naming it.
+    """
+    message: dict[str, Any] = {}
+    for field in newest().ready_response.fields:
+        value = getattr(response, field.name, UNSET)
+        if value is UNSET:
+            if field.required:
+                raise ValueError(f"{field.name} is required by vLLM's decoder (it has no default)")
+            value = field.default_value()
+        message[field.name] = value
+    return _encoder.encode(message)
 
 
 def is_set(value: object) -> bool:

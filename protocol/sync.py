@@ -1,14 +1,22 @@
-"""The sync: from a deployment's static base config and its engines' ready responses to the true config.
+"""The sync: from a deployment's static labels and its engines' ready responses to the true config.
 
 It follows vLLM's ``_apply_ready_response`` (smallest ``max_model_len``, summed
-``num_gpu_blocks``, block sizes from the engines, per-engine ``kv_cache_*``
-figures never summed, one ``dp_stats_address``) but is a pure function of the
-*current* response of each engine rather than a fold over arrival order, which
-removes vLLM's weaknesses: a re-sent response changes nothing, an engine that
-re-reports replaces its own contribution, the result is the same in any order,
-and a payload without ``mamba_block_size`` leaves the base value alone.
-Where engines disagree, the lowest engine index wins and the number of
-distinct values is reported so that the disagreement is visible.
+``num_gpu_blocks``, block sizes from the engines, the first ``kv_cache_*``
+figures, ``effective_attention_block_size`` only where all engines agree, one
+``dp_stats_address`` and coordinator) but is a pure function of the *current*
+response of each engine rather than a fold over arrival order, which removes
+vLLM's weaknesses: a re-sent response changes nothing, an engine that
+re-reports replaces its own contribution, the result is the same in any order
+(the lowest engine index wins where vLLM takes the last to answer), and the
+frontend's already-summed ``num_gpu_blocks`` is never counted twice.
+
+And it corrects vLLM where its metric is wrong. In ``align`` and ``all`` mode
+the workers set ``mamba_block_size = block_size`` after raising the attention
+block, and the engine core reports the smallest KV-cache group's block size,
+which is the Mamba group's: so the reported ``block_size`` IS the true
+``mamba_block_size`` (vLLM shows the configured value, or in 0.29+ the engine
+core's copy, which stays configured whenever the alignment ran in worker
+processes). In ``none`` mode the configured value is the true one.
 """
 
 from __future__ import annotations
@@ -17,74 +25,145 @@ from collections.abc import Mapping
 
 import msgspec
 
-from protocol.cache_config import CacheConfig
 from protocol.errors import InvalidPayload, SyncConflict
-from protocol.ready_response import EngineCoreReadyResponse, is_set
+from protocol.labels import parse_int
+from protocol.ready_response import EngineCoreReadyResponse
+from protocol.releases import newest, release_of
+
+ALIGNED_MODES = frozenset({"align", "all"})
+# Fields every engine of one vLLM server must agree on; vLLM asserts it.
+_SHARED_ADDRESSES = ("dp_stats_address", "coordinator_input_address", "coordinator_output_address")
+
+
+class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's numbers as the exporter shows them."""
+
+    block_size: int | None
+    mamba_block_size: int | None
+    vllm_mamba_block_size: int | None
+    num_gpu_blocks: int
+    max_model_len: int
+    kv_cache_size_tokens: int | None
+    kv_cache_max_concurrency: float | None
 
 
 class SyncedConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The config a deployment really runs with, and what the sync learned on the way."""
 
-    config: CacheConfig
+    release: str
+    labels: dict[str, str]
+    mamba_cache_mode: str
     max_model_len: int | None
     dp_stats_address: str | None
+    data_parallel_size: int | None
     distinct_values: dict[str, int]
+    engines: dict[int, EngineFigures]
+
+
+def check_agreement(engines: list[EngineCoreReadyResponse]) -> None:
+    """Refuse engines that contradict each other where vLLM requires one value."""
+    for name in _SHARED_ADDRESSES:
+        values = sorted({value for r in engines if (value := r.reported(name)) is not None})
+        if len(values) > 1:
+            raise SyncConflict(
+                f"$.{name}", f"engines of one vLLM server must share one {name}, got {', '.join(values)}"
+            )
+    ports = sorted({port for r in engines if (port := r.reported("coord_store_port"))})
+    if len(ports) > 1:
+        raise SyncConflict(
+            "$.coord_store_port", f"engines of one vLLM server must share one coord_store_port, got {ports}"
+        )
+
+
+def _first(values: list[object]) -> object:
+    return next((value for value in values if value is not None), None)
+
+
+def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyResponse]) -> SyncedConfig:
+    """The synced config given the frontend's static labels and each engine's current ready response.
+
+    Raises ``SyncConflict`` when engines report different addresses or ports
+    that vLLM requires to be equal.
+    """
+    ordered = [engines[index] for index in sorted(engines)]
+    check_agreement(ordered)
+    lead = ordered[0] if ordered else None
+    release = release_of(lead.reported("vllm_version"), lead.sent_keys()) if lead else newest()
+    engine_info = _first([r.reported("cache_config_info") for r in ordered])
+    labels = dict(engine_info) if isinstance(engine_info, dict) else release.default_labels()
+    labels.update(static)
+
+    def sent(name: str) -> list[object]:
+        return [r.reported(name) for r in ordered if name in r.sent_keys()]
+
+    block_sizes = [size for size in sent("block_size") if size is not None]
+    if block_sizes:
+        labels["block_size"] = str(block_sizes[0])
+    if ordered:
+        labels["num_gpu_blocks"] = str(sum(r.num_gpu_blocks for r in ordered))
+    for name in ("kv_cache_size_tokens", "kv_cache_max_concurrency"):
+        value = _first(sent(name))
+        if value is not None:
+            labels[name] = str(value)
+    effective = sent("effective_attention_block_size")
+    if effective:
+        labels["effective_attention_block_size"] = str(effective[0] if len(set(effective)) == 1 else None)
+
+    reported_mamba = sent("mamba_block_size")
+    given_mode = static.get("mamba_cache_mode") or (engine_info or {}).get("mamba_cache_mode")
+    if given_mode is None and any(size is not None for size in reported_mamba):
+        # vLLM's MambaModelConfig.verify_and_update_config: a hybrid model with prefix caching aligns.
+        given_mode = "align" if labels.get("enable_prefix_caching") == "True" else "none"
+    mode = given_mode or labels.get("mamba_cache_mode", "none")
+    labels["mamba_cache_mode"] = mode
+    configured = (
+        parse_int(static["mamba_block_size"])
+        if "mamba_block_size" in static
+        else _first(reported_mamba) if reported_mamba else parse_int(labels.get("mamba_block_size"))
+    )  # fmt: skip
+
+    figures: dict[int, EngineFigures] = {}
+    for index in sorted(engines):
+        response = engines[index]
+        own_block = response.reported("block_size")
+        true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
+        figures[index] = EngineFigures(
+            block_size=own_block if own_block is not None else parse_int(labels.get("block_size")),
+            mamba_block_size=true_mamba,
+            vllm_mamba_block_size=(
+                response.reported("mamba_block_size") if "mamba_block_size" in response.sent_keys() else configured
+            ),
+            num_gpu_blocks=response.num_gpu_blocks,
+            max_model_len=response.max_model_len,
+            kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
+            kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
+        )
+    if figures:
+        labels["mamba_block_size"] = str(figures[min(figures)].mamba_block_size)
+
+    parallel = [size for r in ordered if (size := r.reported("data_parallel_size")) is not None]
+    return SyncedConfig(
+        release=release.version,
+        labels=labels,
+        mamba_cache_mode=mode,
+        max_model_len=min((r.max_model_len for r in ordered), default=None),
+        dp_stats_address=_first([r.reported("dp_stats_address") for r in ordered]),
+        data_parallel_size=max(parallel, default=None),
+        distinct_values={
+            "block_size": len(set(block_sizes)) or 1,
+            "mamba_block_size": len({f.mamba_block_size for f in figures.values()}) or 1,
+        },
+        engines=figures,
+    )
 
 
 def check_engine_index(engine: int, response: EngineCoreReadyResponse) -> None:
     """Refuse a response whose engine index cannot exist in its own data-parallel group."""
-    if is_set(response.data_parallel_rank) and response.data_parallel_rank != engine:
+    rank = response.reported("data_parallel_rank")
+    size = response.reported("data_parallel_size")
+    if rank is not None and rank != engine:
         raise InvalidPayload(
-            "$.data_parallel_rank",
-            f"engine index {engine} from the request differs from data_parallel_rank {response.data_parallel_rank}",
+            "$.data_parallel_rank", f"engine index {engine} from the request differs from data_parallel_rank {rank}"
         )
-    if is_set(response.data_parallel_size) and engine >= response.data_parallel_size:
-        raise InvalidPayload(
-            "$.data_parallel_rank",
-            f"engine index {engine} is outside data_parallel_size {response.data_parallel_size}",
-        )
-
-
-def sync(base: CacheConfig, engines: Mapping[int, EngineCoreReadyResponse]) -> SyncedConfig:
-    """The synced config of ``base`` given each engine's current ready response.
-
-    Raises ``SyncConflict`` when engines report different ``dp_stats_address``
-    values, which vLLM treats as fatal.
-    """
-    ordered = [engines[index] for index in sorted(engines)]
-    if not ordered:
-        return SyncedConfig(config=base, max_model_len=None, dp_stats_address=None, distinct_values={})
-
-    addresses = sorted({r.dp_stats_address for r in ordered if r.dp_stats_address is not None})
-    if len(addresses) > 1:
-        raise SyncConflict(
-            "$.dp_stats_address",
-            f"engines of one deployment must share one dp_stats_address, got {', '.join(addresses)}",
-        )
-
-    block_sizes = [r.block_size for r in ordered if is_set(r.block_size)]
-    # An explicit None is a report ("no Mamba layers"); an absent key is not.
-    mamba_block_sizes = [r.mamba_block_size for r in ordered if r.mamba_block_size is not msgspec.UNSET]
-    size_tokens = [r.kv_cache_size_tokens for r in ordered if is_set(r.kv_cache_size_tokens)]
-    concurrency = [r.kv_cache_max_concurrency for r in ordered if is_set(r.kv_cache_max_concurrency)]
-
-    changes: dict[str, object] = {"num_gpu_blocks": sum(r.num_gpu_blocks for r in ordered)}
-    if block_sizes:
-        changes["block_size"] = block_sizes[0]
-        changes["block_size_resolved"] = True
-    if mamba_block_sizes:
-        changes["mamba_block_size"] = mamba_block_sizes[0]
-    if size_tokens:
-        changes["kv_cache_size_tokens"] = size_tokens[0]
-    if concurrency:
-        changes["kv_cache_max_concurrency"] = concurrency[0]
-
-    return SyncedConfig(
-        config=msgspec.structs.replace(base, **changes),
-        max_model_len=min(r.max_model_len for r in ordered),
-        dp_stats_address=addresses[0] if addresses else None,
-        distinct_values={
-            "block_size": len(set(block_sizes)) or 1,
-            "mamba_block_size": len(set(mamba_block_sizes)) or 1,
-        },
-    )
+    if size is not None and engine >= size:
+        raise InvalidPayload("$.data_parallel_rank", f"engine index {engine} is outside data_parallel_size {size}")

