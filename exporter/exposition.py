@@ -1,5 +1,10 @@
 """What ``/metrics`` sends: content negotiation, and the cache that makes a scrape cost little.
 
+Two formats are rendered, and negotiated here alone: Prometheus text 0.0.4 and
+OpenMetrics 1.0.0. Any other ``Accept`` (other versions, broken parameters)
+gets text 0.0.4, never an error and never a body labelled with a version it
+is not.
+
 The cache-config families (nearly all the bytes) are rendered, and for gzip
 compressed, once per state change; a scrape adds only the exporter's own small
 metrics. For gzip the compressor's state after the cached part is kept and
@@ -14,12 +19,19 @@ import threading
 import zlib
 from collections.abc import Sequence
 
-from prometheus_client.exposition import choose_encoder
-
 from exporter.collector import CacheConfigCollector
 from exporter.state import ExporterState
 from exporter.telemetry import ExporterMetrics
 
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+# Media range -> (the version parameter it may carry, the content type served for it).
+_FORMATS = {
+    "application/openmetrics-text": ("1.0.0", OPENMETRICS),
+    "text/plain": ("0.0.4", TEXT),
+    "text/*": ("0.0.4", TEXT),
+    "*/*": ("0.0.4", TEXT),
+}
 # Fast compression: it runs once per state change, and label-heavy text compresses well at any level.
 GZIP_LEVEL = 1
 
@@ -35,6 +47,26 @@ def accepts_gzip(accept_encoding: str) -> bool:
             except ValueError:
                 return False
     return False
+
+
+def negotiate(accept: str) -> str:
+    """The content type to serve: the supported media range of highest ``q`` (the first on a tie), else text."""
+    best, best_quality = TEXT, 0.0
+    for media_range in accept.split(","):
+        kind, *parameter_list = (part.strip() for part in media_range.split(";"))
+        parameters = dict(
+            (name.strip().lower(), value.strip()) for name, _, value in (p.partition("=") for p in parameter_list)
+        )
+        supported = _FORMATS.get(kind.lower())
+        if supported is None or parameters.get("version", supported[0]) != supported[0]:
+            continue
+        try:
+            quality = float(parameters.get("q", "1"))
+        except ValueError:
+            continue
+        if best_quality < quality <= 1:
+            best, best_quality = supported[1], quality
+    return best
 
 
 class _Rendered:
@@ -86,9 +118,9 @@ class Exposition:
 
     def render(self, accept: str, gzip: bool) -> tuple[Sequence[bytes], str]:
         """The body (as chunks to send in order) and its content type."""
-        _, content_type = choose_encoder(accept)
+        content_type = negotiate(accept)
         rendered = self._current()
-        tail = self._metrics.render(openmetrics=content_type.startswith("application/openmetrics-text"))
+        tail = self._metrics.render(openmetrics=content_type == OPENMETRICS)
         if not gzip:
             return (rendered.body, tail), content_type
         prefix, compressor = rendered.gzip_prefix()

@@ -28,6 +28,10 @@ REJECTION_REASONS = (
     "unauthorized",
     "unsupported_media_type",
     "storage_unavailable",
+    "too_large",
+    "timeout",
+    "client_disconnected",
+    "host",
 )
 PROCESS_SAMPLE_SECONDS = 1.0
 _ACCEPTED = "cache_config_exporter_ready_responses_accepted"

@@ -18,6 +18,8 @@ import socket
 import sqlite3
 import ssl
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -30,8 +32,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.cache_config import LABEL_NAMES
-from tests.support import IN_CI, fixture_bytes
+from tests.support import IN_CI, fixture_bytes, wait_until
 
 FIGURES = "reliability"
 MSGPACK_TYPE = {"Content-Type": "application/vnd.msgpack"}
@@ -168,19 +169,20 @@ def engine_blocks(state: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
 ENGINE_FAMILIES = (
     "block_size",
     "mamba_block_size",
+    "vllm_mamba_block_size",
     "num_gpu_blocks",
     "max_model_len",
     "kv_cache_size_tokens",
     "kv_cache_max_concurrency",
     "last_update_timestamp_seconds",
 )
-INFO_LABELS = frozenset({"deployment", "engine", *LABEL_NAMES})
 
 
 def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tuple[str, tuple, float]]:
     """Every ``cache_config_*`` sample, parsed by prometheus_client's text or OpenMetrics parser.
 
-    Fails when a sample carries labels its family never has: no input may forge a series.
+    Fails when a sample carries labels its family never has: no input may forge a series (the info
+    family's other labels are the deployment's label map, which the API shows).
     """
     parse = openmetrics_families if openmetrics else text_string_to_metric_families
     found = []
@@ -190,12 +192,11 @@ def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tup
                 continue
             suffix = sample.name.removeprefix("cache_config_")
             expected = {
-                "info": INFO_LABELS,
                 "distinct_values": {"deployment", "field"},
                 "data_parallel_size": {"deployment"},
             }.get(suffix, {"deployment", "engine"})
             assert suffix in ("info", "distinct_values", "data_parallel_size", *ENGINE_FAMILIES), sample
-            assert set(sample.labels) == expected, sample
+            assert set(sample.labels) >= expected if suffix == "info" else set(sample.labels) == expected, sample
             found.append((sample.name, tuple(sorted(sample.labels.items())), sample.value))
     return sorted(found)
 
@@ -375,3 +376,60 @@ def ext4(image: Path, mount_point: Path, size: str = "16M") -> Iterator[Ext4]:
         yield volume
     finally:
         volume.unmount()
+
+
+# Attacks -------------------------------------------------------------------------------------------------
+
+# Nearly the largest static labels the default 64 KiB body cap admits: 15 values of 4,096 characters, which
+# every engine of the deployment then carries in its info labels.
+BULKY_STATIC_CONFIG = json.dumps({f"bulky_{index:02d}": "x" * 4096 for index in range(15)})
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """``VmRSS`` (now) and ``VmHWM`` (the peak so far) of a process, in KiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
+
+
+def health_latency(url: str, timeout: float) -> float:
+    """Seconds ``GET /-/healthy`` took on a new connection; ``timeout`` when it failed or was not a 200."""
+    started = time.monotonic()
+    try:
+        ok = call(url, "GET", "/-/healthy", timeout=timeout).status == 200
+    except OSError:
+        ok = False
+    return time.monotonic() - started if ok else timeout
+
+
+class HealthWatch:
+    """What a liveness probe sees during an attack: ``/-/healthy`` timed back to back in a thread."""
+
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.latencies.append(health_latency(self.url, self.timeout))
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + 5)
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)
+
+
+def recovery_seconds(url: str, bound: float = 30.0, fast: float = 0.5) -> float:
+    """Seconds from now until ``/-/healthy`` answers 200 within ``fast`` seconds (fails after ``bound``)."""
+    started = time.monotonic()
+    wait_until(lambda: health_latency(url, fast) < fast, timeout=bound, interval=0.01)
+    return time.monotonic() - started

@@ -215,7 +215,7 @@ def test_sigterm_finishes_the_request_in_flight_commits_and_exits_0(
     with raw_socket(exporter.url, timeout=20) as slow:
         # 100-continue: the "100 Continue" proves the request reached the app, which now waits for its body.
         slow.sendall(
-            b"POST /api/v1/deployments/slow/ready HTTP/1.1\r\nHost: exporter\r\n"
+            b"POST /api/v1/deployments/slow/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/vnd.msgpack\r\nExpect: 100-continue\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)
         )

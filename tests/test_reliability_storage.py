@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry
 from exporter.service import create_app
 from exporter.settings import Settings
 from exporter.state import ExporterState, StorageUnavailable
-from exporter.storage import Store
-from protocol import CacheConfig, decode_ready_response
+from exporter.storage import Store, StoredEngine
+from protocol import decode_ready_response
 from tests.reliability import (
     MSGPACK_TYPE,
     Reply,
@@ -342,9 +342,9 @@ class FullDisk(Store):
         self._refuse()
         super().save_deployment(name, static_config, instance_id)
 
-    def save_engine(self, deployment: str, engine: int, response: bytes, received_at: float) -> None:
+    def save_engine(self, deployment: str, engine: int, stored: StoredEngine) -> None:
         self._refuse()
-        super().save_engine(deployment, engine, response, received_at)
+        super().save_engine(deployment, engine, stored)
 
     def probe(self) -> None:
         self._refuse()
@@ -355,18 +355,19 @@ def test_reads_between_failed_writes_do_not_report_the_store_healthy(tmp_path: P
     """With several workers every read first commits an empty transaction to see the others' commits; on a
     full disk that succeeds, and must not count as recovery (``/-/ready`` would flap)."""
     store = FullDisk(tmp_path / "full.db")
-    state = ExporterState(store, CacheConfig(), time.time)
-    response = decode_ready_response(ready_response(0, 1, 1))
+    state = ExporterState(store, {}, time.time)
+    payload = ready_response(0, 1, 1)
+    response = decode_ready_response(payload)
     try:
         store.full = True
         with pytest.raises(StorageUnavailable):
-            state.apply_ready("refused", 0, response).result(timeout=10)
+            state.apply_ready("refused", 0, response, payload, "msgpack").result(timeout=10)
         for _ in range(3):
             state.refresh().result(timeout=10)
             assert state.storage_error == "database or disk is full"
         store.full = False
         wait_until(lambda: state.storage_error is None, timeout=10)
-        assert state.apply_ready("accepted", 0, response).result(timeout=10)
+        assert state.apply_ready("accepted", 0, response, payload, "msgpack").result(timeout=10)
     finally:
         state.close()
         store.close()

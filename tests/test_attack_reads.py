@@ -1,0 +1,126 @@
+"""Attacks by reads: bursts on the deployments list, and reads while another process holds SQLite's write lock."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+from tests.reliability import (
+    MSGPACK_TYPE,
+    HealthWatch,
+    call,
+    exporter_sample,
+    ready_response,
+    record,
+    recovery_seconds,
+)
+from tests.support import ExporterProcess, samples
+
+
+def populate(exporter: ExporterProcess, deployments: int) -> None:
+    def ingest(index: int) -> int:
+        path = f"/api/v1/deployments/fleet-{index:05d}/ready"
+        return call(exporter.url, "POST", path, ready_response(0, index + 1, 1), MSGPACK_TYPE).status
+
+    with ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(ingest, range(deployments))) == {200}
+
+
+def hang_up_requests(url: str, count: int) -> int:
+    """Ask for the whole list ``count`` times, each time hanging up at once; how many were sent."""
+    parts = urlsplit(url)
+    request = f"GET /api/v1/deployments HTTP/1.1\r\nHost: {parts.hostname}\r\n\r\n".encode()
+    sent = 0
+    for _ in range(count):
+        try:
+            with socket.create_connection((parts.hostname, parts.port), timeout=5) as connection:
+                connection.sendall(request)
+        except OSError:
+            continue
+        sent += 1
+    return sent
+
+
+def test_a_burst_on_the_deployments_list_leaves_the_exporter_responsive(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
+) -> None:
+    exporter = start_exporter()
+    populate(exporter, 1000)
+    size = len(call(exporter.url, "GET", "/api/v1/deployments").body)
+    sent: list[int] = []
+    with HealthWatch(exporter.url) as watch:
+        burst = [threading.Thread(target=lambda: sent.append(hang_up_requests(exporter.url, 1000))) for _ in range(2)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(timeout=120)
+        ingest_started = time.monotonic()
+        try:
+            ingested = call(exporter.url, "POST", "/api/v1/deployments/fleet-00000/ready", ready_response(0, 7, 1),
+                            MSGPACK_TYPE).status  # fmt: skip
+        except TimeoutError:
+            ingested = 0
+        ingest_seconds = time.monotonic() - ingest_started
+    recovery = recovery_seconds(exporter.url, bound=60)
+    record(record_property, "attack_deployments_list_burst", deployments=1000, list_bytes=size,
+           requests=sum(sent), healthy_worst_seconds=round(watch.worst, 3),
+           ingest_after_burst_seconds=round(ingest_seconds, 3), recovery_seconds=round(recovery, 3))  # fmt: skip
+    assert ingested == 200 and watch.worst < 2.0 and ingest_seconds < 2.0 and recovery < 1.0
+
+
+def test_the_deployments_list_pages_by_name(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter()
+    populate(exporter, 30)
+    everything = call(exporter.url, "GET", "/api/v1/deployments").json()
+    assert "link" not in call(exporter.url, "GET", "/api/v1/deployments").headers
+    pages, path = [], "/api/v1/deployments?limit=7"
+    while path:
+        reply = call(exporter.url, "GET", path)
+        assert reply.status == 200
+        pages.append(reply.json())
+        link = reply.headers.get("link", "")
+        path = link.removeprefix("<").partition(">")[0] if 'rel="next"' in link else ""
+    assert [len(page) for page in pages] == [7, 7, 7, 7, 2]
+    assert [deployment for page in pages for deployment in page] == everything
+    after = call(exporter.url, "GET", "/api/v1/deployments?after=fleet-00027").json()
+    assert [deployment["deployment"] for deployment in after] == ["fleet-00028", "fleet-00029"]
+    for bad in ("limit=0", "limit=abc", "limit=100000"):
+        assert call(exporter.url, "GET", f"/api/v1/deployments?{bad}").status == 422
+
+
+def test_reads_with_several_workers_take_no_write_lock(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
+) -> None:
+    exporter = start_exporter("--web.workers", "2")
+    blocker = sqlite3.connect(exporter.storage, isolation_level=None, timeout=5)
+    latencies: list[float] = []
+    statuses: list[int] = []
+    healthy: list[float] = []
+    stale = 0
+    try:
+        for blocks in (1, 2, 3):
+            assert call(exporter.url, "POST", "/api/v1/deployments/shared/ready", ready_response(0, blocks, 1),
+                        MSGPACK_TYPE).status == 200  # fmt: skip
+            blocker.execute("BEGIN IMMEDIATE")  # another process writing, for as long as the reads below take
+            for path in ("/metrics", "/api/v1/deployments/shared", "/-/ready", "/metrics"):
+                started = time.monotonic()
+                reply = call(exporter.url, "GET", path)
+                latencies.append(time.monotonic() - started)
+                statuses.append(reply.status)
+                if path == "/metrics":
+                    healthy.append(exporter_sample(reply.body.decode(), "cache_config_exporter_storage_healthy"))
+                    shown = [sample.value for sample in samples(reply.body.decode(), "cache_config_num_gpu_blocks")]
+                    stale += shown != [blocks]
+            blocker.execute("ROLLBACK")
+    finally:
+        blocker.close()
+    record(record_property, "attack_reads_under_a_foreign_write_lock", workers=2, reads=len(statuses),
+           worst_seconds=round(max(latencies), 3), not_200=sum(status != 200 for status in statuses),
+           storage_unhealthy=healthy.count(0.0), stale=stale)  # fmt: skip
+    assert set(statuses) == {200} and set(healthy) == {1.0} and stale == 0
+    assert max(latencies) < 0.5, latencies

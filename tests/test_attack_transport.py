@@ -1,0 +1,190 @@
+"""Attacks on connections themselves: oversized headers, slow headers, a client stalling a large scrape at SIGTERM.
+
+New settings are passed as environment variables, which an exporter without them ignores: the same test
+then shows the attack succeeding instead of failing to start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.reliability import (
+    BULKY_STATIC_CONFIG,
+    MSGPACK_TYPE,
+    HealthWatch,
+    call,
+    memory_kib,
+    raw_socket,
+    read_until_closed,
+    ready_response,
+    record,
+    recovery_seconds,
+)
+from tests.support import ExporterProcess, samples, wait_until
+
+
+def settings_env(**flags: str) -> dict[str, str]:
+    """The environment with ``CACHE_CONFIG_EXPORTER_<FLAG>`` variables added."""
+    return {**os.environ, **{f"CACHE_CONFIG_EXPORTER_{name.upper()}": value for name, value in flags.items()}}
+
+
+def header_flood(url: str, limit: int) -> int:
+    """Send one never-ending header line, up to ``limit`` bytes; how many bytes the server took before it closed."""
+    sent = 0
+    chunk = b"a" * (1 << 20)
+    with raw_socket(url, timeout=10) as connection:
+        try:
+            connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: ")
+            while sent < limit:
+                connection.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset or closed by the server: it stopped reading
+            pass
+    return sent
+
+
+def test_oversized_headers_get_431_and_cost_no_memory(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
+) -> None:
+    exporter = start_exporter()
+    assert exporter.process is not None
+    before = memory_kib(exporter.process.pid)
+    flood = 64 << 20
+    taken: list[int] = []
+    with HealthWatch(exporter.url) as watch:
+        floods = [threading.Thread(target=lambda: taken.append(header_flood(exporter.url, flood))) for _ in range(4)]
+        for thread in floods:
+            thread.start()
+        for thread in floods:
+            thread.join(timeout=60)
+    after = memory_kib(exporter.process.pid)
+    recovery = recovery_seconds(exporter.url)
+    growth_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
+    record(record_property, "attack_oversized_headers", connections=4, offered_mib=4 * flood >> 20,
+           taken_mib=round(sum(taken) / (1 << 20), 1), rss_growth_mib=round(growth_mib, 1),
+           healthy_worst_seconds=round(watch.worst, 3), recovery_seconds=round(recovery, 3))  # fmt: skip
+    assert len(taken) == 4 and max(taken) <= 4 << 20, f"the server read {taken} bytes of headers"
+    assert growth_mib < 32, f"RSS grew by {growth_mib:.0f} MiB"
+    assert watch.worst < 1.0, watch.latencies
+    # A header just over the default cap fits the socket buffers: the 431 arrives before the close.
+    with raw_socket(exporter.url) as connection:
+        connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * 32768)
+        answer = read_until_closed(connection)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"application/problem+json" in answer and b"connection: close" in answer.lower()
+
+
+def test_the_header_cap_is_exact(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter(env=settings_env(web_max_header_bytes="4096"))
+    for size, status in ((4096, 200), (4097, 431)):
+        head = b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nX-Filler: "
+        request = head + b"a" * (size - len(head) - 4) + b"\r\n\r\n"
+        assert len(request) == size
+        with raw_socket(exporter.url) as connection:
+            connection.sendall(request)
+            answer = read_until_closed(connection)
+        assert answer.startswith(f"HTTP/1.1 {status} ".encode()), (size, answer[:200])
+
+
+def test_slow_header_clients_are_dropped_after_the_header_timeout(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
+) -> None:
+    exporter = start_exporter(env=settings_env(web_max_connections="50", web_header_timeout="1"))
+    connections = [raw_socket(exporter.url, timeout=10) for _ in range(60)]
+    try:
+        for connection in connections:
+            connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Half: ")
+        assert call(exporter.url, "GET", "/-/healthy").status == 503  # the slots are taken
+        started = time.monotonic()
+        recovered = _served_within(exporter.url, 8.0)
+        recovery = time.monotonic() - started
+        answers = [read_until_closed(connection) for connection in connections] if recovered else []
+    finally:
+        for connection in connections:
+            connection.close()
+    timed_out = sum(answer.startswith(b"HTTP/1.1 408 ") for answer in answers)
+    record(record_property, "attack_slow_headers", connections=60, max_connections=50, header_timeout=1,
+           recovery_seconds=round(recovery, 3) if recovered else "over 8 s", answered_408=timed_out)  # fmt: skip
+    assert recovered, "the stalled connections kept every slot"
+    assert timed_out == len(connections), [answer[:40] for answer in answers]
+
+
+def _served_within(url: str, seconds: float) -> bool:
+    """Whether ``/-/healthy`` answers 200 within ``seconds`` from now (polled)."""
+    try:
+        wait_until(lambda: call(url, "GET", "/-/healthy").status == 200, timeout=seconds)
+    except AssertionError:
+        return False
+    return True
+
+
+def stalled_scrape(url: str) -> socket.socket:
+    """A connection asking for ``/metrics`` with a 4 KiB receive window that it never reads."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = socket.socket()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection.connect((host, int(port)))
+    connection.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n\r\n".encode())
+    connection.settimeout(5)
+    assert connection.recv(1, socket.MSG_PEEK), "the scrape did not start"
+    return connection
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_ends_in_the_shutdown_timeout_while_a_client_stalls_a_large_scrape(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None], workers: int
+) -> None:
+    exporter = start_exporter("--web.workers", str(workers), env=settings_env(web_shutdown_timeout="2"))
+    assert exporter.process is not None
+    json_type = {"Content-Type": "application/json"}
+    assert call(exporter.url, "PUT", "/api/v1/deployments/bulky/cache-config", BULKY_STATIC_CONFIG.encode(),
+                json_type).status == 200  # fmt: skip
+    for engine in range(128):  # about 8 MiB of exposition: more than the socket buffers hold
+        reply = call(exporter.url, "POST", "/api/v1/deployments/bulky/ready",
+                     ready_response(engine, engine + 1, 128, instance_id="bulky"), MSGPACK_TYPE)  # fmt: skip
+        assert reply.status == 200, reply.body[:300]
+    acknowledged: list[int] = []
+    stop = threading.Event()
+
+    def ingest() -> None:
+        for blocks in range(1, 100_000):
+            if stop.is_set():
+                return
+            try:
+                reply = call(exporter.url, "POST", "/api/v1/deployments/steady/ready",
+                             ready_response(0, blocks, 1), MSGPACK_TYPE, timeout=5)  # fmt: skip
+            except OSError:
+                return
+            if reply.status == 200:
+                acknowledged.append(blocks)
+
+    with stalled_scrape(exporter.url):
+        writer = threading.Thread(target=ingest, daemon=True)
+        writer.start()
+        wait_until(lambda: len(acknowledged) >= 5)
+        started = time.monotonic()
+        exporter.process.send_signal(signal.SIGTERM)
+        try:
+            code: Any = exporter.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            code = "still running"
+        seconds = time.monotonic() - started
+        stop.set()
+        writer.join(timeout=10)
+    record(record_property, f"attack_stalled_scrape_at_sigterm_workers_{workers}", shutdown_timeout=2, exit_code=code,
+           exit_seconds=round(seconds, 2), acknowledged=len(acknowledged))  # fmt: skip
+    assert code == 0 and seconds < 5, (code, seconds)
+    exporter.start()
+    exposition = call(exporter.url, "GET", "/metrics").body.decode()
+    (stored,) = [sample.value for sample in samples(exposition, "cache_config_num_gpu_blocks")
+                 if sample.labels["deployment"] == "steady"]  # fmt: skip
+    assert stored >= max(acknowledged), "an acknowledged ingest was lost"
