@@ -2,19 +2,19 @@
 # Builds the image, runs it, pushes a fixture, scrapes it, restarts and
 # re-creates the container, and checks that the state survived on the volume.
 #
-# Works without Docker Hub: when BASE_IMAGE is neither present nor pullable, a
-# Debian bookworm base with python3 is made with debootstrap and `docker import`
-# (cached by tag, so later runs reuse it). Dependency wheels are built on the
-# host (whose CA bundle trusts the package index) and installed in the image
-# with --no-index. Starts dockerd when no daemon answers, and stops it again.
+# Works without Docker Hub: when BASE_IMAGE is neither present nor pullable,
+# docker/make-base-image.sh makes a Debian bookworm base with debootstrap (kept,
+# so later runs reuse it). docker/build-wheelhouse.sh fetches every wheel on the
+# host, and the image is built with --network none and pip --no-index. Starts
+# dockerd when no daemon answers, and stops it again.
 #
 # Exit codes: 0 passed; 77 skipped, no Docker daemon can be started here;
 # anything else failed (the message says what).
 #
 # Environment: BASE_IMAGE (default python:3.11-slim), IMAGE (default
 # cache-config-exporter:test, kept after the run), PYTHON (interpreter used to
-# build wheels and to scrape; default python3), DEBIAN_MIRROR (default: the
-# mirror of this machine's apt sources), DOCKER_WAIT (seconds, default 60).
+# fetch wheels and to scrape; default python3), DEBIAN_MIRROR (see
+# docker/make-base-image.sh), DOCKER_WAIT (seconds, default 60).
 set -euo pipefail
 
 SKIP=77
@@ -103,53 +103,10 @@ ensure_docker() {
   fi
 }
 
-# The Debian mirror this machine's apt uses: the site of its bookworm sources, else of
-# its first main suite (another Debian release's mirror serves bookworm too).
-debian_mirror() {
-  command -v apt-get >/dev/null || return 0
-  # shellcheck disable=SC2016 # $(SITE) is apt's own field syntax, not the shell's
-  apt-get indextargets --format '$(SITE) $(RELEASE)' 'Identifier: Packages' 2>/dev/null |
-    awk '$2 == "bookworm" { print $1; found = 1; exit }
-         $2 !~ /-/ && !first { first = $1 }
-         END { if (!found && first) print first }'
-}
-
-# Sets BASE_IMAGE to a bookworm image with python3, made with debootstrap unless cached.
+# Sets BASE_IMAGE to the bookworm base of docker/make-base-image.sh (made once, then reused).
 debootstrapped_base() {
-  local packages=python3,python3-venv,passwd,ca-certificates
-  # The tag names the recipe: change the recipe and a new base is made.
-  local recipe="debootstrap --variant=minbase --include=$packages bookworm; import with PATH, LANG, CMD python3"
-  local tag
-  tag="cache-config-exporter-base:bookworm-$(printf '%s' "$recipe" | sha256sum | cut -c1-12)"
-  if docker image inspect "$tag" >/dev/null 2>&1; then
-    log "using cached base image $tag"
-    BASE_IMAGE=$tag
-    return
-  fi
-  command -v debootstrap >/dev/null || fail "$BASE_IMAGE is not available and debootstrap is missing (Debian package debootstrap)"
-  [[ $(id -u) -eq 0 ]] || fail "$BASE_IMAGE is not available and only root can debootstrap a replacement"
-  local mirror=${DEBIAN_MIRROR:-$(debian_mirror)}
-  mirror=${mirror:-http://deb.debian.org/debian}
-  local proxy=""
-  eval "$(apt-config shell proxy Acquire::http::Proxy 2>/dev/null || true)"
-  log "debootstrapping bookworm from $mirror (a few minutes; log in $WORK/debootstrap.log)"
-  if ! http_proxy=${proxy:-${http_proxy:-}} debootstrap --variant=minbase --include="$packages" \
-    bookworm "$WORK/rootfs" "$mirror" >"$WORK/debootstrap.log" 2>&1; then
-    tail -n 20 "$WORK/debootstrap.log" >&2
-    fail "debootstrap failed"
-  fi
-  rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
-  tar -C "$WORK/rootfs" -c . | docker import \
-    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' \
-    --change 'CMD ["python3"]' \
-    - "$tag" >/dev/null
-  rm -rf --one-file-system "$WORK/rootfs"
-  log "made base image $tag"
-  # Bases of earlier recipes are of no further use.
-  docker image ls --format '{{.Repository}}:{{.Tag}}' cache-config-exporter-base | grep -vxF "$tag" |
-    xargs -r docker rmi >/dev/null 2>&1 || true
-  BASE_IMAGE=$tag
+  BASE_IMAGE=cache-config-exporter-base:bookworm
+  "$REPO/docker/make-base-image.sh" "$BASE_IMAGE" || fail "docker/make-base-image.sh failed"
 }
 
 ensure_base_image() {
@@ -162,36 +119,22 @@ ensure_base_image() {
   debootstrapped_base
 }
 
-# Dependency and build-system wheels for the image's Python, built on the host.
+# The wheelhouse of docker/build-wheelhouse.sh, for the image's Python, in a copy of the build context.
 build_wheelhouse() {
-  local image_python host_python
+  local image_python
   image_python=$(docker run --rm --network none --entrypoint python3 "$BASE_IMAGE" \
     -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  host_python=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  if [[ $host_python != "$image_python" ]]; then
-    command -v "python$image_python" >/dev/null ||
-      fail "$BASE_IMAGE has Python $image_python; set PYTHON to a host python$image_python to build its wheels"
-    PYTHON=python$image_python
-  fi
   mkdir -p "$WORK/context/docker"
   cp -R "$REPO/pyproject.toml" "$REPO/protocol" "$REPO/exporter" "$REPO/.dockerignore" "$WORK/context/"
   for optional in README.md LICENSE; do
     if [[ -f $REPO/$optional ]]; then cp "$REPO/$optional" "$WORK/context/"; fi
   done
   cp "$REPO/docker/healthcheck.py" "$WORK/context/docker/"
-  "$PYTHON" - "$REPO/pyproject.toml" >"$WORK/requirements.txt" <<'PY'
-import sys
-import tomllib
-
-with open(sys.argv[1], "rb") as file:
-    project = tomllib.load(file)
-print("\n".join(project["build-system"]["requires"] + project["project"]["dependencies"]))
-PY
-  log "building dependency wheels for Python $image_python with $PYTHON"
-  if ! "$PYTHON" -m pip wheel --disable-pip-version-check --wheel-dir "$WORK/context/wheelhouse" \
-    -r "$WORK/requirements.txt" >"$WORK/wheels.log" 2>&1; then
+  log "building the wheelhouse for Python $image_python"
+  if ! WHEELHOUSE="$WORK/context/wheelhouse" PYTHON="$PYTHON" "$REPO/docker/build-wheelhouse.sh" "$image_python" \
+    >"$WORK/wheels.log" 2>&1; then
     tail -n 20 "$WORK/wheels.log" >&2
-    fail "pip wheel failed"
+    fail "docker/build-wheelhouse.sh failed"
   fi
 }
 
@@ -199,7 +142,7 @@ build_image() {
   local previous
   previous=$(docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
   log "building $IMAGE on $BASE_IMAGE (log in $WORK/build.log)"
-  if ! DOCKER_BUILDKIT=0 docker build --network host --file "$REPO/docker/Dockerfile" \
+  if ! DOCKER_BUILDKIT=0 docker build --network none --file "$REPO/docker/Dockerfile" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "PIP_OPTIONS=--no-index --find-links /src/wheelhouse" \
     --tag "$IMAGE" "$WORK/context" >"$WORK/build.log" 2>&1; then

@@ -1,0 +1,152 @@
+"""The pages a person opens in a browser: ``/`` (status) and ``/docs`` (API reference).
+
+Both are rendered on the server as plain HTML with inline CSS, so they work on an air-gapped host and
+without JavaScript. The status page reads the same views as the JSON API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from html import escape
+from typing import Any
+from urllib.parse import quote
+
+from exporter import __version__
+from exporter.state import Deployment, DeploymentView, view
+
+# Beyond this many deployments the page lists the first ones and points at the JSON for the rest.
+MAX_LISTED_DEPLOYMENTS = 500
+_FIELDS = ("block_size", "mamba_block_size")
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:2rem;color:#1b1f24;max-width:72rem}
+h1{font-size:1.5rem}h2{font-size:1.2rem;margin-top:2rem}
+nav a{margin-right:1rem}table{border-collapse:collapse;margin:.5rem 0}
+th,td{border:1px solid #c9ced6;padding:.25rem .6rem;text-align:right}th{background:#eef1f5}
+td.name,th.name{text-align:left}.differs{background:#ffe3e3;font-weight:bold}
+.warning{border-left:4px solid #d33;padding:.5rem 1rem;background:#fff5f5}
+.muted{color:#59636e}code{background:#eef1f5;padding:0 .2rem}
+"""
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_STYLE}</style></head>'
+        f"<body>{body}</body></html>"
+    )
+
+
+def _when(timestamp: float, now: float) -> str:
+    moment = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp))
+    age = max(0, int(now - timestamp))
+    ago = f"{age} s" if age < 120 else f"{age // 60} min" if age < 7200 else f"{age // 3600} h"
+    return f'<time datetime="{time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))}">{moment}</time> ({ago} ago)'
+
+
+def _value(value: object) -> str:
+    return "—" if value is None else escape(str(value))
+
+
+def _anchor(name: str) -> str:
+    return escape("deployment-" + quote(name, safe=""))
+
+
+def _disagreements(deployment: DeploymentView) -> list[str]:
+    """One sentence per field on which the engines of a deployment report different values."""
+    sentences = []
+    for field in _FIELDS:
+        if deployment.distinct_values.get(field, 1) > 1:
+            values = ", ".join(
+                f"engine {engine.engine}: {_value(getattr(engine.figures, field))}" for engine in deployment.engines
+            )
+            sentences.append(
+                f'<a href="#{_anchor(deployment.deployment)}"><code>{escape(deployment.deployment)}</code></a>: '
+                f"{field} differs ({values}); "
+                f"the lowest engine index's {_value(deployment.labels.get(field))} is published"
+            )
+    return sentences
+
+
+def _deployment_section(deployment: DeploymentView, now: float) -> str:
+    name = escape(deployment.deployment)
+    json_link = "/api/v1/deployments/" + quote(deployment.deployment, safe="/")
+    expected = deployment.data_parallel_size
+    reporting = f"{len(deployment.engines)}" + (f" of {expected}" if expected is not None else "")
+    rows = []
+    for engine in deployment.engines:
+        figures = engine.figures
+        cells = []
+        for field in _FIELDS:
+            value = getattr(figures, field)
+            differs = deployment.distinct_values.get(field, 1) > 1 and str(value) != deployment.labels.get(field)
+            cells.append(f'<td class="differs">{_value(value)}</td>' if differs else f"<td>{_value(value)}</td>")
+        rows.append(
+            f"<tr><td>{engine.engine}</td>{''.join(cells)}<td>{_value(figures.num_gpu_blocks)}</td>"
+            f'<td>{_value(figures.max_model_len)}</td><td class="name">{_when(engine.received_at, now)}</td></tr>'
+        )
+    return (
+        f'<section class="deployment"><h2 id="{_anchor(deployment.deployment)}">{name}</h2>'
+        f"<p>block_size <strong>{_value(deployment.labels.get('block_size'))}</strong>, "
+        f"mamba_block_size <strong>{_value(deployment.labels.get('mamba_block_size'))}</strong>, "
+        f"engines (data-parallel replicas) reporting: {reporting}, vLLM {escape(deployment.vllm_release)} "
+        f'· <a href="{escape(json_link)}">JSON</a></p>'
+        "<table><tr><th>engine</th><th>block size</th><th>mamba block size</th><th>GPU blocks</th>"
+        '<th>max model len</th><th class="name">last report</th></tr>'
+        f"{''.join(rows)}</table></section>"
+    )
+
+
+def status_page(
+    deployments: Mapping[str, Deployment], telemetry_path: str, now: float, storage_error: str | None
+) -> str:
+    """``/``: every deployment's true block sizes per engine, when each last reported, and disagreements."""
+    names = sorted(deployments)
+    views = [view(deployments[name]) for name in names[:MAX_LISTED_DEPLOYMENTS]]
+    engines = sum(len(deployment.engines) for deployment in deployments.values())
+    links = (
+        f'<nav><a href="{escape(telemetry_path)}">Metrics</a><a href="/api/v1/deployments">Deployments (JSON)</a>'
+        '<a href="/docs">API documentation</a><a href="/-/healthy">Health</a><a href="/-/ready">Readiness</a></nav>'
+    )
+    parts = [
+        f"<h1>cache-config-exporter {escape(__version__)}</h1>",
+        "<p>The KV-cache configuration vLLM engines really run with, synced from their ready responses.</p>",
+        links,
+        f'<p id="summary">{len(deployments)} deployment(s), {engines} engine(s).</p>',
+    ]
+    if storage_error is not None:
+        parts.append(f'<p class="warning">Storage failing: {escape(storage_error)}. Ingest answers 503.</p>')
+    sentences = [sentence for deployment in views for sentence in _disagreements(deployment)]
+    if sentences:
+        items = "".join(f"<li>{sentence}</li>" for sentence in sentences)
+        parts.append(
+            f'<section id="disagreements" class="warning"><h2>Engines that disagree</h2><ul>{items}</ul></section>'
+        )
+    if not deployments:
+        parts.append('<p class="muted">No engine has reported yet.</p>')
+    parts.extend(_deployment_section(deployment, now) for deployment in views)
+    if len(names) > MAX_LISTED_DEPLOYMENTS:
+        hidden = len(names) - MAX_LISTED_DEPLOYMENTS
+        parts.append(
+            f'<p class="muted">{hidden} more deployment(s): see <a href="/api/v1/deployments">the JSON</a>.</p>'
+        )
+    return _page("cache-config-exporter", "".join(parts))
+
+
+def api_reference(openapi: dict[str, Any]) -> str:
+    """``/docs``: every operation of the OpenAPI document, without Swagger UI's scripts from a CDN."""
+    rows = []
+    for path, operations in openapi.get("paths", {}).items():
+        for method, operation in operations.items():
+            rows.append(
+                f'<tr><td class="name"><code>{escape(method.upper())}</code></td>'
+                f'<td class="name"><code>{escape(path)}</code></td>'
+                f'<td class="name">{escape(operation.get("summary", ""))}</td></tr>'
+            )
+    body = (
+        f"<h1>{escape(openapi['info']['title'])} {escape(openapi['info']['version'])}: HTTP API</h1>"
+        '<nav><a href="/">Status</a><a href="/openapi.json">OpenAPI document (JSON)</a></nav>'
+        '<table><tr><th class="name">method</th><th class="name">path</th><th class="name">what it does</th></tr>'
+        f"{''.join(rows)}</table>"
+    )
+    return _page("cache-config-exporter API", body)

@@ -1,0 +1,268 @@
+"""--web.config.file (exporter-toolkit format) and token files: rotation without a restart, bad files refused."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import ssl
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from exporter.security import Credentials
+from exporter.settings import Settings, SettingsError
+from tests.reliability import MSGPACK_TYPE, Reply, call, ready_response
+from tests.support import ExporterProcess, require_binary, samples, wait_until
+
+BODY = ready_response(0, 42, 2)
+INGEST = "/api/v1/deployments/web-config/ready"
+RELOADED = "cache_config_exporter_config_last_reload_successful"
+
+
+def bcrypt_hash(password: str) -> str:
+    """A bcrypt hash as `htpasswd -nBC 4` would write it (the lowest cost, to keep the test fast)."""
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def scrape_status(exporter: ExporterProcess, headers: dict[str, str]) -> int:
+    return call(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls).status
+
+
+def reload_gauge(exporter: ExporterProcess, headers: dict[str, str], file: Path) -> float:
+    reply = call(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls)
+    assert reply.status == 200
+    (sample,) = [sample for sample in samples(reply.body.decode(), RELOADED) if sample.labels["file"] == str(file)]
+    return sample.value
+
+
+def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, made with the openssl command."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    made = subprocess.run(
+        [require_binary("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
+         "-keyout", str(key), "-out", str(cert)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return cert, key
+
+
+def test_passwords_and_headers_rotate_without_a_restart(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    old, new = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(
+        "basic_auth_users:\n"
+        f"  prometheus: {bcrypt_hash(old)}\n"
+        "http_server_config:\n"
+        "  headers:\n"
+        "    X-Frame-Options: deny\n"
+        "    X-Content-Type-Options: nosniff\n"
+    )
+    exporter = start_exporter("--web.config.file", str(web_config))
+    assert scrape_status(exporter, basic("prometheus", old)) == 200
+    for wrong in (basic("prometheus", new), basic("nobody", old), {}):
+        refused = call(exporter.url, "GET", "/metrics", headers=wrong)
+        assert refused.status == 401 and refused.headers["www-authenticate"] == 'Basic realm="metrics"'
+    assert call(exporter.url, "GET", "/").status == 401, "the status page shows the state: it needs a reader"
+    healthy = call(exporter.url, "GET", "/-/healthy")
+    assert healthy.status == 200, "probes stay open"
+    assert healthy.headers["x-frame-options"] == "deny" and healthy.headers["x-content-type-options"] == "nosniff"
+
+    web_config.write_text(
+        f"basic_auth_users:\n  prometheus: {bcrypt_hash(new)}\n"
+        "http_server_config:\n  headers:\n    Strict-Transport-Security: max-age=31536000\n"
+    )
+    wait_until(lambda: scrape_status(exporter, basic("prometheus", new)) == 200)
+    assert scrape_status(exporter, basic("prometheus", old)) == 401
+    headers = call(exporter.url, "GET", "/-/healthy").headers
+    assert headers["strict-transport-security"] == "max-age=31536000" and "x-frame-options" not in headers
+    assert reload_gauge(exporter, basic("prometheus", new), web_config) == 1.0
+    assert "reloaded" in exporter.log.read_text()
+
+
+def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    password = secrets.token_urlsafe(16)
+    good = f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n"
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(good)
+    exporter = start_exporter("--web.config.file", str(web_config))
+    right = basic("prometheus", password)
+    leaked = "$2b$04$" + "x" * 20
+    web_config.write_text(f"basic_auth_users:\n  prometheus: {leaked}\n")  # not a bcrypt hash, on line 2
+    wait_until(lambda: reload_gauge(exporter, right, web_config) == 0.0)
+    assert scrape_status(exporter, right) == 200, "the last good users stay in force"
+    log = exporter.log.read_text()
+    assert f"--web.config.file {web_config}: reload failed, keeping the last good content" in log
+    assert "line 2: basic_auth_users.prometheus is not a bcrypt hash" in log
+    assert leaked not in log
+    assert log.count("reload failed") == 1, "one broken file is logged once, not on every request"
+
+    web_config.write_text(good + "\n")
+    wait_until(lambda: reload_gauge(exporter, right, web_config) == 1.0)
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "message"),
+    [
+        ("basic_auth_users:\n  a: b\n  c: [d\n", 4, "not valid YAML"),
+        ("tls_server_config:\n  cert_file: c.pem\n", 1, "tls_server_config needs cert_file and key_file"),
+        ("http_server_config:\n  headers:\n    Server: x\n", 3, "header Server cannot be set"),
+        ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n", 3, "must be one of deny, sameorigin"),
+        ("\nbasic_auth_user:\n  a: b\n", 2, "the file.basic_auth_user is unknown"),
+        ("tls_server_config:\n  cert_file: c\n  key_file: k\n  client_ca_file: ca\n", 4, "not supported"),
+        ("basic_auth_users:\n  a: $2y$10$x\n", 2, "basic_auth_users.a is not a bcrypt hash"),
+        ("basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n", 3, "appears twice"),
+        ("tls_server_config:\n  cert_file: none.crt\n  key_file: none.key\n", 1, "cannot load"),
+        ("tls_server_config:\n  cert_file: c\n  key_file: k\n  min_version: TLS14\n", 4, "one of TLS10"),
+    ],
+)
+def test_a_wrong_web_config_names_its_line(tmp_path: Path, content: str, line: int, message: str) -> None:
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(content)
+    with pytest.raises(SettingsError) as error:
+        Credentials.from_settings(Settings(storage_path=tmp_path / "x.db", web_config_file=web_config))
+    assert f"--web.config.file {web_config} line {line}: " in str(error.value)
+    assert message in str(error.value)
+
+
+def test_a_wrong_web_config_stops_start_up(tmp_path: Path) -> None:
+    web_config = tmp_path / "web.yml"
+    web_config.write_text("basic_auth_users:\n  prometheus: plain-text-password\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "serve", "--storage.path", str(tmp_path / "x.db"),
+         "--web.config.file", str(web_config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "line 2: basic_auth_users.prometheus is not a bcrypt hash" in result.stderr
+    assert "plain-text-password" not in result.stderr + result.stdout
+
+
+def test_certificates_rotate_without_a_restart(start_exporter: Callable[..., ExporterProcess], tmp_path: Path) -> None:
+    first_cert, first_key = make_certificate(tmp_path, "first")
+    second_cert, second_key = make_certificate(tmp_path, "second")
+    served_cert, served_key = tmp_path / "tls" / "served.crt", tmp_path / "tls" / "served.key"
+    served_cert.parent.mkdir()
+    served_cert.write_bytes(first_cert.read_bytes())
+    served_key.write_bytes(first_key.read_bytes())
+    web_config = tmp_path / "tls" / "web.yml"
+    # Relative file names are relative to the web config file, as in exporter-toolkit.
+    web_config.write_text("tls_server_config:\n  cert_file: served.crt\n  key_file: served.key\n")
+    trusts_first = ssl.create_default_context(cafile=str(first_cert))
+    trusts_second = ssl.create_default_context(cafile=str(second_cert))
+    exporter = start_exporter("--web.config.file", str(web_config), tls=trusts_first)
+
+    def reaches(context: ssl.SSLContext) -> bool:
+        try:
+            return call(exporter.url, "GET", "/-/healthy", tls=context).status == 200
+        except ssl.SSLError:
+            return False
+
+    assert reaches(trusts_first) and not reaches(trusts_second)
+    served_key.write_bytes(second_key.read_bytes())
+    served_cert.write_bytes(second_cert.read_bytes())
+    wait_until(lambda: reaches(trusts_second))
+    assert not reaches(trusts_first)
+
+    served_cert.write_bytes(first_cert.read_bytes())  # a certificate that does not fit the key
+    exporter.tls = trusts_second
+    wait_until(lambda: reload_gauge(exporter, {}, web_config) == 0.0)
+    assert reaches(trusts_second), "the last good certificate is still served"
+    assert "reload failed" in exporter.log.read_text()
+
+
+def test_the_old_tls_flags_keep_working_and_reload_too(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    first_cert, first_key = make_certificate(tmp_path, "first")
+    second_cert, second_key = make_certificate(tmp_path, "second")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_bytes(first_cert.read_bytes())
+    key.write_bytes(first_key.read_bytes())
+    trusts_second = ssl.create_default_context(cafile=str(second_cert))
+    exporter = start_exporter(
+        "--web.tls-cert-file", str(cert), "--web.tls-key-file", str(key),
+        tls=ssl.create_default_context(cafile=str(first_cert)),
+    )  # fmt: skip
+    key.write_bytes(second_key.read_bytes())
+    cert.write_bytes(second_cert.read_bytes())
+
+    def reaches_second() -> bool:
+        try:
+            return call(exporter.url, "GET", "/-/healthy", tls=trusts_second).status == 200
+        except ssl.SSLError:
+            return False
+
+    wait_until(reaches_second)
+
+
+def ingest(exporter: ExporterProcess, token: str) -> Reply:
+    return call(exporter.url, "POST", INGEST, BODY, {**MSGPACK_TYPE, "Authorization": f"Bearer {token}"})
+
+
+def test_ingest_tokens_overlap_during_a_rotation(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    old, new = secrets.token_hex(32), secrets.token_hex(32)
+    tokens = tmp_path / "ingest.token"
+    tokens.write_text(f"{old}\n")
+    exporter = start_exporter("--web.ingest-token-file", str(tokens))
+    assert ingest(exporter, old).status == 200
+    assert ingest(exporter, new).status == 401
+    # Step 1 of a rotation: both tokens, while the senders move to the new one.
+    tokens.write_text(f"# rotated in\n{new}\n{old}\n")
+    wait_until(lambda: ingest(exporter, new).status == 200)
+    assert ingest(exporter, old).status == 200
+    # Step 2: the old one is gone.
+    tokens.write_text(f"{new}\n")
+    wait_until(lambda: ingest(exporter, old).status == 401)
+    assert ingest(exporter, new).status == 200
+    # An emptied file is a mistake: the last good tokens stay.
+    tokens.write_text("\n")
+    wait_until(lambda: reload_gauge(exporter, {}, tokens) == 0.0)
+    assert ingest(exporter, new).status == 200
+    log = exporter.log.read_text()
+    assert "--web.ingest-token-file" in log and "reload failed" in log
+    assert old not in log and new not in log
+
+
+@pytest.mark.parametrize(
+    ("flag", "replacement"),
+    [("--web.tls-cert-file", "tls_server_config"), ("--web.metrics-basic-auth-file", "basic_auth_users")],
+)
+def test_old_flags_with_the_web_config_fail_naming_the_replacement(tmp_path: Path, flag: str, replacement: str) -> None:
+    web_config = tmp_path / "web.yml"
+    web_config.write_text("")
+    extra = ["--web.tls-key-file", "k.pem"] if flag == "--web.tls-cert-file" else []
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "serve", "--storage.path", str(tmp_path / "x.db"),
+         "--web.config.file", str(web_config), flag, "x", *extra],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert flag in result.stderr and replacement in result.stderr
+
+
+def test_the_plain_text_basic_auth_file_still_works_and_says_it_is_deprecated(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    password = secrets.token_urlsafe(16)
+    users = tmp_path / "users"
+    users.write_text(f"prometheus:{password}\n")
+    exporter = start_exporter("--web.metrics-basic-auth-file", str(users))
+    assert scrape_status(exporter, basic("prometheus", password)) == 200
+    assert scrape_status(exporter, basic("prometheus", "wrong")) == 401
+    assert "deprecated" in exporter.log.read_text() and "basic_auth_users" in exporter.log.read_text()
