@@ -7,6 +7,7 @@ Every flag can also come from an environment variable, named after the flag:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -25,14 +26,17 @@ from exporter.settings import (
     SETTINGS_ENVIRONMENT,
     Settings,
     SettingsError,
+    allowed_hosts,
     default_storage_path,
     read_secret,
     split_listen_address,
 )
 from exporter.storage import StorageError, Store
+from exporter.vllm_plugin import DEFAULT_TIMEOUT_SECONDS
 
 ENV_PREFIX = "CACHE_CONFIG_EXPORTER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PUSH_FORMATS = {"auto": "", "json": "application/json", "msgpack": "application/vnd.msgpack"}
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -82,26 +86,53 @@ def build_parser() -> argparse.ArgumentParser:
         switch=True,
     )
     _add(serve, "--web.metrics-token-file", "file with a bearer token that reading metrics and state requires")
-    _add(serve, "--web.metrics-basic-auth-file", "file of USER:PASSWORD lines allowed to read metrics and state")
+    _add(
+        serve,
+        "--web.metrics-basic-auth-file",
+        "deprecated, plain-text USER:PASSWORD lines; use basic_auth_users (bcrypt) in --web.config.file",
+    )
     _add(serve, "--web.tls-cert-file", "TLS certificate (PEM); with --web.tls-key-file, serve HTTPS")
     _add(serve, "--web.tls-key-file", "TLS private key (PEM)")
+    _add(
+        serve,
+        "--web.config.file",
+        "exporter-toolkit web config (tls_server_config, basic_auth_users, http_server_config.headers), "
+        "re-read when it changes",
+    )
     _add(serve, "--web.max-request-bytes", "largest request body accepted", 64 * 1024, type=int)
     _add(serve, "--web.read-timeout", "seconds a client may take to send a request body", 10.0, type=float)
     _add(serve, "--web.max-connections", "concurrent connections before new ones get 503", 1024, type=int)
+    _add(serve, "--web.max-header-bytes", "largest request line and headers accepted (431 above)", 16 << 10, type=int)
+    _add(serve, "--web.header-timeout", "seconds a client may take to send a request's line and headers", 10.0,
+         type=float)  # fmt: skip
+    _add(serve, "--web.shutdown-timeout", "seconds SIGTERM waits for open requests before closing them", 10.0,
+         type=float)  # fmt: skip
+    _add(serve, "--web.allowed-hosts", "comma-separated Host names served besides loopback ones ('*': any; "
+         "empty: loopback names only on a loopback address, any name otherwise)", "")  # fmt: skip
     _add(serve, "--limits.deployments", "most deployments kept", 10_000, type=int)
     _add(serve, "--limits.engines-per-deployment", "most engines kept per deployment", 1_024, type=int)
+    _add(serve, "--limits.bytes", "most bytes of exposition and JSON state all deployments take", 128 << 20, type=int)
     _add(serve, "--storage.path", "SQLite file that keeps every accepted ready response", str(default_storage_path()))
     _add(serve, "--cache-config.file", "JSON, TOML or YAML file with the base cache config of every deployment")
     _add(serve, "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)", "")
     _add(serve, "--log.level", "log level", "info", choices=LOG_LEVELS)
 
     push = commands.add_parser("push", help="send a ready response (.msgpack or .json file) to a running exporter")
-    push.add_argument("file", type=Path, help="the ready response; '.json' files are sent as JSON, others as msgpack")
+    push.add_argument("file", type=Path, help="the ready response ('-' or /dev/stdin: standard input)")
+    _add(
+        push,
+        "--format",
+        "wire format of FILE; auto: JSON for a '.json' file name, msgpack otherwise",
+        "auto",
+        choices=PUSH_FORMATS,
+    )
     _add(push, "--url", "base URL of the exporter", f"http://127.0.0.1:{DEFAULT_PORT}")
     _add(push, "--deployment", "deployment the engine belongs to", "default")
     _add(push, "--engine", "engine index, for payloads without data_parallel_rank", type=int)
     _add(push, "--token-file", "file with the exporter's ingest bearer token")
-    _add(push, "--timeout", "seconds to wait for the exporter", 10.0, type=float)
+    _add(
+        push, "--timeout", "seconds to wait for the exporter (as the vLLM plugin)", DEFAULT_TIMEOUT_SECONDS, type=float
+    )
     return parser
 
 
@@ -120,11 +151,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
         metrics_basic_auth_file=_path(args.web_metrics_basic_auth_file),
         tls_cert_file=_path(args.web_tls_cert_file),
         tls_key_file=_path(args.web_tls_key_file),
+        web_config_file=_path(args.web_config_file),
         max_request_bytes=args.web_max_request_bytes,
         read_timeout_seconds=args.web_read_timeout,
         max_connections=args.web_max_connections,
         max_deployments=args.limits_deployments,
         max_engines_per_deployment=args.limits_engines_per_deployment,
+        max_bytes=args.limits_bytes,
+        max_header_bytes=args.web_max_header_bytes,
+        header_timeout_seconds=args.web_header_timeout,
+        shutdown_timeout_seconds=args.web_shutdown_timeout,
+        allowed_hosts=allowed_hosts(args.web_allowed_hosts, split_listen_address(args.web_listen_address)[0]),
     )
 
 
@@ -136,7 +173,8 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from exporter.security import Credentials
+    from exporter.limits import GuardedHttpToolsProtocol
+    from exporter.security import Credentials, ReloadingTls, watched_tls
     from exporter.service import create_app
 
     # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
@@ -150,7 +188,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             # Each worker builds its own app; check here what would stop them all.
             Credentials.from_settings(settings)
-            settings.base_config()
+            settings.base_labels()
             Store(settings.storage_path).close()
             os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
             app = "exporter.service:create_app_from_environment"
@@ -161,8 +199,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("cache_config_exporter").info(
         "listening on %s (%d worker(s)), storage %s", settings.listen_address, settings.workers, settings.storage_path
     )
+    protocol = functools.partial(
+        GuardedHttpToolsProtocol,
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout=settings.header_timeout_seconds,
+    )
     uvicorn.run(
         app,
+        http=protocol,  # type: ignore[arg-type]  # a partial of a protocol class, which uvicorn instantiates
         factory=settings.workers > 1,
         workers=settings.workers,
         host=host,
@@ -171,18 +215,24 @@ def serve(args: argparse.Namespace) -> int:
         access_log=settings.log_level == "debug",
         server_header=False,
         limit_concurrency=settings.max_connections,
-        ssl_certfile=settings.tls_cert_file,
-        ssl_keyfile=settings.tls_key_file,
+        timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
+        ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,
     )
     return 0
 
 
 def push(args: argparse.Namespace) -> int:
     try:
-        body = args.file.read_bytes()
-        headers = {
-            "Content-Type": "application/json" if args.file.suffix.lower() == ".json" else "application/vnd.msgpack"
-        }
+        body = sys.stdin.buffer.read() if str(args.file) == "-" else args.file.read_bytes()
+        if not body:
+            print(
+                f"cache-config-exporter push: {args.file} is empty: there is no ready response to send", file=sys.stderr
+            )
+            return 2
+        wire_format = (
+            args.format if args.format != "auto" else "json" if args.file.suffix.lower() == ".json" else "msgpack"
+        )
+        headers = {"Content-Type": PUSH_FORMATS[wire_format]}
         if args.token_file:
             headers["Authorization"] = f"Bearer {read_secret('--token-file', Path(args.token_file))}"
     except OSError as error:

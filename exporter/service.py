@@ -9,9 +9,9 @@ the state's writer thread, and re-rendering the exposition in the thread pool.
 from __future__ import annotations
 
 import asyncio
-import html
 import re
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, suppress
@@ -28,13 +28,15 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from exporter import __version__
-from exporter.collector import CacheConfigCollector
+from exporter.collector import CacheConfigCollector, render_deployment
 from exporter.exposition import Exposition, accepts_gzip
 from exporter.limits import RequestGuard
+from exporter.listing import DeploymentListing
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
-from exporter.security import Credentials
+from exporter.security import Credentials, ResponseHeaders
 from exporter.settings import Settings
 from exporter.state import Deployment, ExporterState, LimitExceeded, Limits, StorageUnavailable, view
+from exporter.status_page import api_reference, status_page
 from exporter.storage import Store
 from exporter.telemetry import ExporterMetrics
 from protocol import (
@@ -42,8 +44,8 @@ from protocol import (
     InvalidPayload,
     SyncConflict,
     check_engine_index,
-    decode_cache_config_update,
     decode_ready_response,
+    decode_static_labels,
 )
 from protocol.ready_response import JSON, MAX_PARALLEL, MSGPACK
 
@@ -56,6 +58,7 @@ READY_MEDIA_TYPES = {
 # Letters, digits and ``_.:@+-``, in ``/``-separated segments (served model names like ``org/model``).
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+-]*)*")
 MAX_DEPLOYMENT_NAME = 200
+MAX_PAGE = 1000
 EngineIndex = Annotated[int, Query(ge=0, lt=MAX_PARALLEL, description="Engine index for payloads without a rank.")]
 
 _json = msgspec.json.Encoder()
@@ -142,17 +145,11 @@ async def _committed(future: Future[Any], title: str) -> Any:
         raise _refusal(error, title) from None
 
 
-def _landing_page(settings: Settings) -> str:
-    path = html.escape(settings.telemetry_path)
-    return (
-        "<!doctype html><html><head><title>cache-config-exporter</title></head><body>"
-        f"<h1>cache-config-exporter {__version__}</h1>"
-        "<p>Publishes the KV-cache configuration vLLM engines really run with, synced from their ready responses.</p>"
-        f'<ul><li><a href="{path}">Metrics</a></li>'
-        '<li><a href="/api/v1/deployments">Deployments (JSON)</a></li>'
-        '<li><a href="/-/healthy">Health</a></li><li><a href="/-/ready">Readiness</a></li>'
-        '<li><a href="/docs">API documentation</a></li></ul></body></html>'
-    )
+def _is_ingest(scope: Scope) -> bool:
+    """Whether a request sends a ready response: its refusals are counted by reason."""
+    path = scope["path"]
+    return scope["method"] == "POST" and (path == "/api/v1/ready" or (
+        path.startswith("/api/v1/deployments/") and path.endswith("/ready")))  # fmt: skip
 
 
 def create_app(
@@ -164,10 +161,19 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     credentials = Credentials.from_settings(settings)
     store = Store(settings.storage_path)
-    limits = Limits(settings.max_deployments, settings.max_engines_per_deployment)
-    state = ExporterState(store, settings.base_config(), clock, limits)
+    limits = Limits(settings.max_deployments, settings.max_engines_per_deployment, settings.max_bytes)
+
+    def measure(deployment: Deployment) -> int:
+        """What ``--limits.bytes`` bounds: a deployment's bytes in the exposition, and of its ready responses as
+        received (what the store and the JSON state hold of it)."""
+        exposition = sum(len(family) for family in render_deployment(deployment, settings.metric_prefix))
+        return exposition + sum(len(report.payload) for report in deployment.engines.values())
+
+    state = ExporterState(store, settings.base_labels(), clock, limits, measure)
     metrics = ExporterMetrics(registry, lambda: state.storage_error is None)
+    registry.register(credentials)  # the reload state of the access files
     exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), metrics)
+    listing = DeploymentListing(state, lambda deployment: _json.encode(view(deployment)))
     # Several worker processes share the file: load what the others committed before answering a read.
     shared_store = settings.workers > 1
 
@@ -177,19 +183,36 @@ def create_app(
         await run_in_threadpool(state.close)
         store.close()
 
-    app = FastAPI(title="cache-config-exporter", version=__version__, lifespan=lifespan)
+    # /docs is rendered here (exporter/status_page.py): Swagger UI would load its scripts from a CDN.
+    app = FastAPI(title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.exporter = state
-    app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes, read_timeout=settings.read_timeout_seconds)
+
+    def count_refusal(scope: Scope, reason: str) -> None:
+        if _is_ingest(scope):
+            metrics.reject(reason)
+
+    async def refuse_invalid_request(request: Request, error: Exception) -> Response:
+        count_refusal(request.scope, "invalid_request")
+        return await handle_validation_error(request, error)
+
+    app.add_middleware(
+        RequestGuard,
+        max_bytes=settings.max_request_bytes,
+        read_timeout=settings.read_timeout_seconds,
+        allowed_hosts=None if settings.allowed_hosts is None else frozenset(settings.allowed_hosts),
+        count_refusal=count_refusal,
+    )
+    app.add_middleware(ResponseHeaders, credentials=credentials)
     app.add_exception_handler(Problem, handle_problem)
     app.add_exception_handler(HTTPException, handle_http_exception)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(RequestValidationError, refuse_invalid_request)
 
     async def current(request: Request) -> None:
         """Access check for reads, then catch up with other workers' commits.
 
         While the store cannot be read (locked), reads serve this worker's last good state.
         """
-        credentials.require_reader(request)
+        await credentials.require_reader(request)
         if shared_store:
             with suppress(StorageUnavailable):
                 await asyncio.wrap_future(state.refresh())
@@ -206,13 +229,18 @@ def create_app(
             credentials.require_ingest(request)
             _check_deployment_name(name)
             wire_format = _wire_format(request, READY_MEDIA_TYPES)
+            payload = await request.body()
+            if not payload:
+                raise Problem(400, "Invalid ready response", "the request body is empty", None, "malformed")
             try:
-                response = decode_ready_response(await request.body(), wire_format)
+                response = decode_ready_response(payload, wire_format)
                 index = engine if engine is not None else _rank(response)
                 check_engine_index(index, response)
             except InvalidPayload as error:
                 raise _refusal(error, "Invalid ready response") from None
-            deployment = await _committed(state.apply_ready(name, index, response), "Invalid ready response")
+            deployment = await _committed(
+                state.apply_ready(name, index, response, payload, wire_format), "Invalid ready response"
+            )
         except Problem as problem:
             metrics.reject(problem.reason)
             raise
@@ -227,24 +255,40 @@ def create_app(
     async def post_ready(deployment: str, request: Request, engine: EngineIndex = None) -> Response:
         return await ingest(deployment, request, engine)
 
-    @app.put("/api/v1/deployments/{deployment:name}/cache-config", summary="Set a deployment's static cache config")
+    @app.put(
+        "/api/v1/deployments/{deployment:name}/cache-config",
+        summary="Set a deployment's static labels: its frontend's CacheConfig.metrics_info()",
+    )
     async def put_cache_config(deployment: str, request: Request) -> Response:
         credentials.require_ingest(request)
         _check_deployment_name(deployment)
         _wire_format(request, {"application/json": JSON})
         try:
-            update = decode_cache_config_update(await request.body())
+            labels = decode_static_labels(await request.body())
         except InvalidPayload as error:
             raise _refusal(error, "Invalid cache config") from None
         return _json_response(
-            view(await _committed(state.set_static_config(deployment, update), "Invalid cache config"))
+            view(await _committed(state.set_static_labels(deployment, labels), "Invalid cache config"))
         )
 
-    @app.get("/api/v1/deployments", summary="Every deployment's synced state")
-    async def list_deployments(request: Request) -> Response:
+    @app.api_route("/api/v1/deployments", methods=["GET", "HEAD"], summary="Every deployment's synced state, by name")
+    async def list_deployments(
+        request: Request,
+        after: Annotated[str | None, Query(max_length=MAX_DEPLOYMENT_NAME, description="Start after this name")] = None,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="Most deployments to return.")] = None,
+    ) -> Response:
         await current(request)
-        deployments = state.snapshot()
-        return _json_response([view(deployments[name]) for name in sorted(deployments)])
+        if after is not None and limit is None:
+            limit = MAX_PAGE
+        if listing.is_fresh(whole=limit is None):
+            chunks, last = listing.page(after, limit)
+        else:
+            chunks, last = await run_in_threadpool(listing.page, after, limit)
+        headers = {}
+        if last is not None:
+            query = urllib.parse.urlencode({"limit": limit, "after": last})
+            headers["Link"] = f'</api/v1/deployments?{query}>; rel="next"'
+        return ChunkedBody(chunks, "application/json", headers)
 
     @app.delete("/api/v1/deployments/{deployment:name}/engines/{engine}", summary="Forget one engine")
     async def delete_engine(deployment: str, engine: int, request: Request) -> Response:
@@ -254,7 +298,8 @@ def create_app(
             raise Problem(404, "Unknown engine", f"{deployment!r} has no engine {engine}", "engine", "not_found")
         return _json_response(view(result))
 
-    @app.get("/api/v1/deployments/{deployment:name}", summary="One deployment's synced state")
+    @app.api_route("/api/v1/deployments/{deployment:name}", methods=["GET", "HEAD"],
+                   summary="One deployment's synced state")  # fmt: skip
     async def get_deployment(deployment: str, request: Request) -> Response:
         return _json_response(view(await found(request, deployment)))
 
@@ -265,7 +310,7 @@ def create_app(
             raise _unknown_deployment(deployment)
         return Response(status_code=204)
 
-    @app.get(settings.telemetry_path, include_in_schema=False)
+    @app.api_route(settings.telemetry_path, methods=["GET", "HEAD"], include_in_schema=False)
     async def get_metrics(request: Request) -> Response:
         await current(request)
         accept = request.headers.get("accept", "")
@@ -279,19 +324,25 @@ def create_app(
             headers["Content-Encoding"] = "gzip"
         return ChunkedBody(chunks, content_type, headers)
 
-    @app.get("/-/healthy", include_in_schema=False)
+    @app.api_route("/-/healthy", methods=["GET", "HEAD"], include_in_schema=False)
     async def healthy() -> Response:
         return Response("Healthy.\n", media_type="text/plain")
 
-    @app.get("/-/ready", include_in_schema=False)
+    @app.api_route("/-/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready() -> Response:
         if state.storage_error is not None:
             return Response(f"Not ready: storage failing: {state.storage_error}\n", 503, media_type="text/plain")
         return Response("Ready.\n", media_type="text/plain")
 
-    @app.get("/", include_in_schema=False)
-    async def landing() -> HTMLResponse:
-        return HTMLResponse(_landing_page(settings))
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def landing(request: Request) -> HTMLResponse:
+        await current(request)  # it shows the deployments, so it needs what reading the JSON state needs
+        page = status_page(state.snapshot(), settings.telemetry_path, clock(), state.storage_error)
+        return HTMLResponse(page)
+
+    @app.api_route("/docs", methods=["GET", "HEAD"], include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(api_reference(app.openapi()))
 
     return app
 

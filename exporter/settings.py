@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from protocol import CacheConfig, InvalidPayload, apply_update, decode_cache_config_update
+from protocol import InvalidPayload, decode_static_labels
 
 # 9100-9999, Prometheus' exporter range, is fully allocated; see README "Default port".
 DEFAULT_PORT = 10987
@@ -45,11 +45,18 @@ class Settings:
     metrics_basic_auth_file: Path | None = None
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    web_config_file: Path | None = None
     max_request_bytes: int = 64 * 1024
     read_timeout_seconds: float = 10.0
     max_connections: int = 1024
     max_deployments: int = 10_000
     max_engines_per_deployment: int = 1_024
+    max_bytes: int = 128 << 20
+    max_header_bytes: int = 16 << 10
+    header_timeout_seconds: float = 10.0
+    shutdown_timeout_seconds: float = 10.0
+    # Host names served besides loopback ones; None serves any (see ``allowed_hosts``).
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.metric_prefix and not _METRIC_PREFIX.fullmatch(self.metric_prefix):
@@ -63,11 +70,26 @@ class Settings:
             ("--limits.deployments", self.max_deployments),
             ("--limits.engines-per-deployment", self.max_engines_per_deployment),
             ("--web.read-timeout", self.read_timeout_seconds),
+            ("--limits.bytes", self.max_bytes),
+            ("--web.max-header-bytes", self.max_header_bytes),
+            ("--web.header-timeout", self.header_timeout_seconds),
+            ("--web.shutdown-timeout", self.shutdown_timeout_seconds),
         ):
             if value <= 0:
                 raise SettingsError(f"{flag} must be positive, got {value}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise SettingsError("--web.tls-cert-file and --web.tls-key-file go together")
+        if self.web_config_file is not None:
+            if self.tls_cert_file is not None:
+                raise SettingsError(
+                    "--web.tls-cert-file/--web.tls-key-file and --web.config.file exclude each other: "
+                    "put cert_file and key_file under tls_server_config in the web config file"
+                )
+            if self.metrics_basic_auth_file is not None:
+                raise SettingsError(
+                    "--web.metrics-basic-auth-file and --web.config.file exclude each other: "
+                    "put the users, with bcrypt hashes, under basic_auth_users in the web config file"
+                )
         host, _ = split_listen_address(self.listen_address)
         if not (_is_loopback(host) or self.ingest_token_file or self.allow_unauthenticated_ingest):
             raise SettingsError(
@@ -75,19 +97,18 @@ class Settings:
                 "--web.ingest-token-file (or --web.allow-unauthenticated-ingest to accept anyone's ready responses)"
             )
 
-    def base_config(self) -> CacheConfig:
-        """vLLM's defaults, overridden by ``--cache-config.file`` when given."""
+    def base_labels(self) -> dict[str, str]:
+        """Labels laid under every deployment's own, from ``--cache-config.file`` when given."""
         if self.cache_config_file is None:
-            return CacheConfig()
+            return {}
         path = self.cache_config_file
         document_format = _CONFIG_FORMATS.get(path.suffix.lower())
         if document_format is None:
             raise SettingsError(f"--cache-config.file {path}: use a .json, .toml, .yaml or .yml file")
         try:
-            update = decode_cache_config_update(read_file("--cache-config.file", path), document_format)
+            return decode_static_labels(read_file("--cache-config.file", path), document_format)
         except InvalidPayload as error:
             raise SettingsError(f"--cache-config.file {path}: {error.reason} at {error.field}") from None
-        return apply_update(CacheConfig(), update)
 
     def to_environment(self) -> str:
         """These settings as JSON, for worker processes (``from_environment`` reads them back)."""
@@ -96,6 +117,15 @@ class Settings:
     @classmethod
     def from_environment(cls) -> Settings:
         return msgspec.json.decode(os.environ[SETTINGS_ENVIRONMENT], type=cls, dec_hook=_decode_path)
+
+
+def allowed_hosts(flag: str, listen_host: str) -> tuple[str, ...] | None:
+    """``--web.allowed-hosts``: a comma-separated list of host names served besides loopback ones; ``*`` serves
+    any. Empty: loopback names only on a loopback listener (against DNS rebinding), any name otherwise."""
+    names = tuple(name.strip().lower().rstrip(".") for name in flag.split(",") if name.strip())
+    if "*" in names or (not names and not _is_loopback(listen_host)):
+        return None
+    return names
 
 
 def _decode_path(kind: type, value: object) -> Path:

@@ -21,29 +21,30 @@ from types import MappingProxyType
 
 import msgspec
 
-from exporter.storage import StorageError, Store, StoredDeployment
+from exporter.storage import StorageError, Store, StoredDeployment, StoredEngine
 from protocol import (
-    CacheConfig,
-    CacheConfigUpdate,
     EngineCoreReadyResponse,
+    EngineFigures,
     InvalidPayload,
     SyncedConfig,
-    apply_update,
+    decode_as_sent,
     decode_ready_response,
-    encode_ready_response,
+    decode_static_labels,
     is_set,
-    render_labels,
     sync,
 )
 
 log = logging.getLogger("cache_config_exporter.state")
 
 _static_encoder = msgspec.json.Encoder()
-_static_decoder = msgspec.json.Decoder(CacheConfigUpdate)
 # Changes taken into one transaction at most; bounds the latency one commit adds.
 MAX_BATCH = 512
 # While the store is failing, how often the writer probes it to notice recovery.
 PROBE_INTERVAL_SECONDS = 0.5
+
+
+def _catch_up(batch: _Batch) -> None:
+    """The change of a refresh: none; its batch only loads what other processes committed."""
 
 
 class StorageUnavailable(RuntimeError):
@@ -55,11 +56,13 @@ class LimitExceeded(InvalidPayload):
 
 
 class EngineReport(msgspec.Struct, frozen=True):
-    """One engine's latest ready response and when it arrived (Unix seconds)."""
+    """One engine's latest ready response: the bytes as received, decoded, and when (Unix seconds)."""
 
     engine: int
     received_at: float
     response: EngineCoreReadyResponse
+    payload: bytes
+    wire_format: str
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,10 +70,19 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     instance_id: str | None
-    static_config: CacheConfigUpdate
-    base: CacheConfig
+    static_labels: dict[str, str]
     engines: Mapping[int, EngineReport]
     synced: SyncedConfig
+
+
+class EngineView(msgspec.Struct, kw_only=True):
+    """What the JSON API shows of one engine: its figures and every key it sent."""
+
+    engine: int
+    received_at: float
+    wire_format: str
+    figures: EngineFigures
+    response: object
 
 
 class DeploymentView(msgspec.Struct, kw_only=True):
@@ -78,13 +90,15 @@ class DeploymentView(msgspec.Struct, kw_only=True):
 
     deployment: str
     instance_id: str | None
-    engines: list[EngineReport]
-    config: CacheConfig
+    vllm_release: str
+    mamba_cache_mode: str
     labels: dict[str, str]
     max_model_len: int | None
     dp_stats_address: str | None
+    data_parallel_size: int | None
     distinct_values: dict[str, int]
-    static_config: CacheConfigUpdate
+    static_labels: dict[str, str]
+    engines: list[EngineView]
 
 
 def view(deployment: Deployment) -> DeploymentView:
@@ -92,13 +106,24 @@ def view(deployment: Deployment) -> DeploymentView:
     return DeploymentView(
         deployment=deployment.name,
         instance_id=deployment.instance_id,
-        engines=[deployment.engines[index] for index in sorted(deployment.engines)],
-        config=synced.config,
-        labels=render_labels(synced.config),
+        vllm_release=synced.release,
+        mamba_cache_mode=synced.mamba_cache_mode,
+        labels=synced.labels,
         max_model_len=synced.max_model_len,
         dp_stats_address=synced.dp_stats_address,
+        data_parallel_size=synced.data_parallel_size,
         distinct_values=synced.distinct_values,
-        static_config=deployment.static_config,
+        static_labels=deployment.static_labels,
+        engines=[
+            EngineView(
+                engine=index,
+                received_at=report.received_at,
+                wire_format=report.wire_format,
+                figures=synced.engines[index],
+                response=decode_as_sent(report.payload, report.wire_format),
+            )
+            for index, report in sorted(deployment.engines.items())
+        ],
     )
 
 
@@ -108,6 +133,8 @@ class Limits:
 
     deployments: int = 10_000
     engines_per_deployment: int = 1_024
+    # Bytes of exposition and JSON state all deployments may take (as ``ExporterState``'s ``measure`` counts them).
+    bytes: int | None = None
 
 
 @dataclass
@@ -117,6 +144,8 @@ class _Batch:
     current: Mapping[str, Deployment]
     changed: dict[str, Deployment | None] = field(default_factory=dict)
     writes: list[Callable[[Store], None]] = field(default_factory=list)
+    # Bytes the staged deployments take, once a change needed to know (see ``ExporterState._check_bytes``).
+    used_bytes: int | None = None
 
     def get(self, name: str) -> Deployment | None:
         return self.changed[name] if name in self.changed else self.current.get(name)
@@ -138,12 +167,20 @@ class ExporterState:
     """All deployments, changed by one writer thread and read as immutable snapshots."""
 
     def __init__(
-        self, store: Store, base: CacheConfig, clock: Callable[[], float], limits: Limits | None = None
+        self,
+        store: Store,
+        base_labels: Mapping[str, str],
+        clock: Callable[[], float],
+        limits: Limits | None = None,
+        measure: Callable[[Deployment], int] | None = None,
     ) -> None:
         self._store = store
-        self._base = base
+        self._base_labels = dict(base_labels)
         self._clock = clock
         self._limits = limits or Limits()
+        self._measure = measure
+        # Each deployment's measured bytes, kept with the (immutable) deployment they were measured on.
+        self._sizes: dict[str, tuple[Deployment, int]] = {}
         try:
             self._deployments: Mapping[str, Deployment] = self._load()
         except (sqlite3.Error, InvalidPayload, msgspec.DecodeError) as error:
@@ -166,8 +203,12 @@ class ExporterState:
 
     # Changing ----------------------------------------------------------------
 
-    def apply_ready(self, name: str, engine: int, response: EngineCoreReadyResponse) -> Future[object]:
-        """Take one engine's ready response; a new ``instance_id`` drops the previous run's engines.
+    def apply_ready(
+        self, name: str, engine: int, response: EngineCoreReadyResponse, payload: bytes, wire_format: str
+    ) -> Future[object]:
+        """Take one engine's ready response (decoded, and its bytes as received).
+
+        A new ``instance_id`` drops the previous run's engines.
 
         The future fails with ``SyncConflict`` or ``LimitExceeded`` (nothing changed) when
         the change is refused, and with ``StorageUnavailable`` when it cannot be committed.
@@ -177,7 +218,7 @@ class ExporterState:
             current = batch.get(name)
             if current is None:
                 self._check_room(batch)
-            static_config = current.static_config if current else CacheConfigUpdate()
+            static_labels = current.static_labels if current else {}
             engines = dict(current.engines) if current else {}
             instance_id = current.instance_id if current else None
             restarted = is_set(response.instance_id) and response.instance_id != instance_id
@@ -188,10 +229,12 @@ class ExporterState:
                 raise LimitExceeded(
                     "engine", f"deployment {name!r} holds its limit of {self._limits.engines_per_deployment} engines"
                 )
-            report = EngineReport(engine, self._clock(), response)
+            report = EngineReport(engine, self._clock(), response, payload, wire_format)
             engines[engine] = report
-            updated = self._build(name, instance_id, static_config, engines)
-            payload, static = encode_ready_response(response), _static_encoder.encode(static_config)
+            updated = self._build(name, instance_id, static_labels, engines)
+            self._check_bytes(batch, name, updated)
+            stored = StoredEngine(payload, wire_format, report.received_at)
+            static = _static_encoder.encode(static_labels)
 
             def write_deployment(store: Store) -> None:
                 store.save_deployment(name, static, instance_id)
@@ -202,22 +245,23 @@ class ExporterState:
                 name,
                 updated,
                 write_deployment,
-                lambda store: store.save_engine(name, engine, payload, report.received_at),
+                lambda store: store.save_engine(name, engine, stored),
             )
             return updated
 
         return self._submit(change)
 
-    def set_static_config(self, name: str, static_config: CacheConfigUpdate) -> Future[object]:
-        """Replace a deployment's static config, creating the deployment if needed."""
+    def set_static_labels(self, name: str, static_labels: Mapping[str, str]) -> Future[object]:
+        """Replace a deployment's static labels (its frontend's ``metrics_info()``), creating it if needed."""
 
         def change(batch: _Batch) -> Deployment:
             current = batch.get(name)
             if current is None:
                 self._check_room(batch)
             instance_id = current.instance_id if current else None
-            updated = self._build(name, instance_id, static_config, current.engines if current else {})
-            static = _static_encoder.encode(static_config)
+            updated = self._build(name, instance_id, static_labels, current.engines if current else {})
+            self._check_bytes(batch, name, updated)
+            static = _static_encoder.encode(static_labels)
             batch.stage(name, updated, lambda store: store.save_deployment(name, static, instance_id))
             return updated
 
@@ -242,7 +286,7 @@ class ExporterState:
             if current is None or engine not in current.engines:
                 return None
             engines = {index: report for index, report in current.engines.items() if index != engine}
-            updated = self._build(name, current.instance_id, current.static_config, engines)
+            updated = self._build(name, current.instance_id, current.static_labels, engines)
             batch.stage(name, updated, lambda store: store.delete_engine(name, engine))
             return updated
 
@@ -253,9 +297,37 @@ class ExporterState:
         if batch.count() >= self._limits.deployments:
             raise LimitExceeded("deployment", f"the exporter holds its limit of {self._limits.deployments} deployments")
 
+    def _size(self, name: str, deployment: Deployment) -> int:
+        assert self._measure is not None
+        known = self._sizes.get(name)
+        if known is None or known[0] is not deployment:
+            known = self._sizes[name] = (deployment, self._measure(deployment))
+        return known[1]
+
+    def _check_bytes(self, batch: _Batch, name: str, updated: Deployment) -> None:
+        """Refuse a change that would take the deployments past the byte budget (a change that shrinks one passes)."""
+        budget = self._limits.bytes
+        if budget is None or self._measure is None:
+            return
+        if batch.used_bytes is None:
+            self._sizes = {key: known for key, known in self._sizes.items() if key in batch.current}
+            batch.used_bytes = sum(self._size(key, deployment) for key, deployment in batch.current.items())
+        current = batch.get(name)
+        before = self._size(name, current) if current is not None else 0
+        size = self._size(name, updated)
+        used = batch.used_bytes - before + size
+        if size > before and used > budget:
+            raise LimitExceeded(
+                "bytes",
+                f"deployment {name!r} would take the exposition and JSON state to {used} bytes, past the budget of "
+                f"{budget} bytes (--limits.bytes)",
+            )
+        batch.used_bytes = used
+
     def refresh(self) -> Future[object]:
-        """Load what other worker processes committed (every batch does this first)."""
-        return self._submit(lambda batch: None)
+        """Load what other worker processes committed (every batch does this first); a batch of refreshes
+        alone reads in a read transaction, so it never waits for another process's write lock."""
+        return self._submit(_catch_up)
 
     def close(self) -> None:
         """Finish every queued change, then stop the writer."""
@@ -290,7 +362,8 @@ class ExporterState:
     def _commit(self, jobs: list[tuple[Change, Future[object]]]) -> None:
         outcomes: list[tuple[Future[object], object, BaseException | None]] = []
         try:
-            with self._store.transaction():
+            writing = any(change is not _catch_up for change, _ in jobs)
+            with self._store.transaction() if writing else self._store.read_transaction():
                 current = self._load() if self._store.changed_elsewhere() else self._deployments
                 batch = _Batch(current)
                 for change, future in jobs:
@@ -356,25 +429,33 @@ class ExporterState:
 
     def _restore(self, stored: StoredDeployment) -> Deployment:
         engines = {
-            engine: EngineReport(engine, received_at, decode_ready_response(response))
-            for engine, (response, received_at) in stored.engines.items()
+            engine: EngineReport(
+                engine,
+                row.received_at,
+                decode_ready_response(row.payload, row.wire_format),
+                row.payload,
+                row.wire_format,
+            )
+            for engine, row in stored.engines.items()
         }
-        return self._build(stored.name, stored.instance_id, _static_decoder.decode(stored.static_config), engines)
+        # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
+        static_labels = decode_static_labels(stored.static_config)
+        return self._build(stored.name, stored.instance_id, static_labels, engines)
 
     def _build(
         self,
         name: str,
         instance_id: str | None,
-        static_config: CacheConfigUpdate,
+        static_labels: Mapping[str, str],
         engines: Mapping[int, EngineReport],
     ) -> Deployment:
-        base = apply_update(self._base, static_config)
-        synced = sync(base, {index: report.response for index, report in engines.items()})
+        synced = sync(
+            {**self._base_labels, **static_labels}, {index: report.response for index, report in engines.items()}
+        )
         return Deployment(
             name=name,
             instance_id=instance_id,
-            static_config=static_config,
-            base=base,
+            static_labels=dict(static_labels),
             engines=MappingProxyType(dict(engines)),
             synced=synced,
         )

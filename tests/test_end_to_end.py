@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.error
@@ -12,6 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from protocol import releases
+from tests.release_payloads import vllm_decode
 from tests.support import FIXTURES, MSGPACK, ExporterProcess, fixture_bytes, info_labels, samples
 
 
@@ -148,11 +151,29 @@ def test_serve_refuses_a_foreign_storage_file(tmp_path: Path) -> None:
     assert foreign.read_bytes() == b"not sqlite at all" * 200
 
 
-def test_the_readme_quickstart_line_is_what_a_user_sees(start_exporter: Callable[..., ExporterProcess]) -> None:
+def test_the_readme_quickstart_lines_are_what_a_user_sees(start_exporter: Callable[..., ExporterProcess]) -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     quickstart = readme[readme.index("## Quickstart") : readme.index("## How it works")]
-    [documented] = [line for line in quickstart.splitlines() if line.startswith("cache_config_info{")]
+    documented = [line for line in quickstart.splitlines() if line.startswith("cache_config_")]
+    [fixture] = re.findall(r"--data-binary @(\S+)", quickstart)
+    [pattern] = re.findall(r"grep -E '(.+)'", quickstart)
     exporter = start_exporter()
-    http("POST", f"{exporter.url}/api/v1/deployments/qwen/ready", fixture_bytes("hybrid-tp1-post50809"), MSGPACK)
-    scraped = [line for line in scrape(exporter).splitlines() if line.startswith("cache_config_info{")]
-    assert scraped == [documented]
+    body = (Path(__file__).parent.parent / fixture).read_bytes()
+    http("POST", f"{exporter.url}/api/v1/deployments/qwen/ready", body, MSGPACK)
+    scraped = [line for line in scrape(exporter).splitlines() if re.search(pattern, line)]
+    assert scraped == documented
+    assert len(documented) == 4
+
+
+def test_the_readme_python_example_is_accepted_by_the_exporter_and_by_every_vllm_decoder(
+    start_exporter: Callable[..., ExporterProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    [example] = [block.partition("\n")[2] for block in readme.split("```")[1:] if block.startswith("python\n")]
+    exporter = start_exporter()
+    namespace: dict[str, object] = {}
+    exec(example.replace("http://127.0.0.1:10987", exporter.url), namespace)  # the documented code, as written
+    assert capsys.readouterr().out == "1056 1056\n"
+    payload = namespace["encode_ready_response"](namespace["response"])  # type: ignore[operator]
+    for release in releases():
+        assert vllm_decode(release, payload).num_gpu_blocks == 1997, release.version

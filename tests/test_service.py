@@ -75,7 +75,8 @@ def test_engines_that_disagree_are_visible(client: TestClient) -> None:
     odd["block_size"] = 528
     assert client.post(READY, content=msgspec.msgpack.encode(odd), headers=MSGPACK).status_code == 200
     distinct = {s.labels["field"]: s.value for s in samples(scrape(client), "cache_config_distinct_values")}
-    assert distinct == {"block_size": 2, "mamba_block_size": 1}
+    # In align mode (inferred: a reported mamba_block_size with prefix caching) mamba follows the block size.
+    assert distinct == {"block_size": 2, "mamba_block_size": 2}
 
 
 def test_old_payloads_name_their_engine_in_the_query(client: TestClient) -> None:
@@ -184,8 +185,14 @@ BAD_REQUESTS = [
      "deployment"),
     ("newline in deployment", "POST", "/api/v1/deployments/a%0Ab/ready", fixture_bytes("dense-post50809"), MSGPACK,
      422, "deployment"),
-    ("unknown config field", "PUT", "/api/v1/deployments/qwen/cache-config", b'{"blok_size": 16}',
-     {"Content-Type": "application/json"}, 422, "$.blok_size"),
+    ("label name Prometheus refuses", "PUT", "/api/v1/deployments/qwen/cache-config", b'{"blok-size": 16}',
+     {"Content-Type": "application/json"}, 422, "$.blok-size"),
+    ("label the exporter adds", "PUT", "/api/v1/deployments/qwen/cache-config", b'{"engine": "7"}',
+     {"Content-Type": "application/json"}, 422, "$.engine"),
+    ("mode vLLM does not have", "PUT", "/api/v1/deployments/qwen/cache-config", b'{"mamba_cache_mode": "fast"}',
+     {"Content-Type": "application/json"}, 422, "$.mamba_cache_mode"),
+    ("empty config", "PUT", "/api/v1/deployments/qwen/cache-config", b"", {"Content-Type": "application/json"}, 400,
+     "$"),
     ("config of wrong type", "PUT", "/api/v1/deployments/qwen/cache-config", b'{"block_size": "big"}',
      {"Content-Type": "application/json"}, 422, "$.block_size"),
     ("config as msgpack", "PUT", "/api/v1/deployments/qwen/cache-config", b"\x80", MSGPACK, 415, "Content-Type"),
