@@ -110,8 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--web.allowed-hosts", "comma-separated Host names served besides loopback ones ('*': any; "
          "empty: loopback names only on a loopback address, any name otherwise)", "")  # fmt: skip
     _add(serve, "--limits.deployments", "most deployments kept", 10_000, type=int)
-    _add(serve, "--limits.engines-per-deployment", "most engines kept per deployment", 1_024, type=int)
+    _add(serve, "--limits.replicas-per-deployment", "most replicas (vLLM servers) kept per deployment", 1_024, type=int)
+    _add(serve, "--limits.engines-per-deployment", "most engines kept per replica of a deployment", 1_024, type=int)
     _add(serve, "--limits.bytes", "most bytes of exposition and JSON state all deployments take", 128 << 20, type=int)
+    _add(
+        serve,
+        "--expiry.missed-heartbeats",
+        "a replica that promised heartbeats expires after missing this many",
+        3,
+        type=int,
+    )
     _add(serve, "--storage.path", "SQLite file that keeps every accepted ready response", str(default_storage_path()))
     _add(serve, "--cache-config.file", "JSON, TOML or YAML file with the base cache config of every deployment")
     _add(serve, "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)", "")
@@ -156,12 +164,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
         read_timeout_seconds=args.web_read_timeout,
         max_connections=args.web_max_connections,
         max_deployments=args.limits_deployments,
+        max_replicas_per_deployment=args.limits_replicas_per_deployment,
         max_engines_per_deployment=args.limits_engines_per_deployment,
         max_bytes=args.limits_bytes,
         max_header_bytes=args.web_max_header_bytes,
         header_timeout_seconds=args.web_header_timeout,
         shutdown_timeout_seconds=args.web_shutdown_timeout,
         allowed_hosts=allowed_hosts(args.web_allowed_hosts, split_listen_address(args.web_listen_address)[0]),
+        missed_heartbeats=args.expiry_missed_heartbeats,
     )
 
 

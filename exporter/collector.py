@@ -1,6 +1,6 @@
-"""Collects each deployment's state into exposition lines: ``cache_config_info`` and its numeric companions.
+"""Collects each replica's state into exposition lines: ``cache_config_info`` and its numeric companions.
 
-A deployment is rendered once per change (deployments are immutable, so the
+A replica is rendered once per change (replicas are immutable, so the
 rendered lines are cached by identity) and a scrape only joins the cached
 lines. Every scrape still reflects the current state: a changed label set or a
 dropped engine leaves no stale series behind.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from exporter.state import Deployment
+from exporter.state import Replica, ReplicaKey
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ ENGINE_GAUGES = (
         "mamba_block_size as vLLM's own cache_config_info shows it for this engine (the engine core's report from "
         "0.29, the configured value before); where it differs from cache_config_mamba_block_size, vLLM's is wrong.",
     ),
-    Family("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the deployment total)."),
+    Family("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the replica's total)."),
     Family("max_model_len", "Longest sequence this engine accepts, in tokens."),
     Family("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
     Family("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
@@ -46,11 +46,17 @@ UPDATED = Family(
 )
 DISTINCT = Family(
     "distinct_values",
-    "Distinct values the engines of a deployment report for a field; above 1 they disagree and the lowest "
+    "Distinct values the engines of a replica report for a field; above 1 they disagree and the lowest "
     "engine index wins.",
 )
-PARALLEL = Family("data_parallel_size", "Data-parallel size the engines of a deployment report (the largest).")
-FAMILIES = (INFO, *ENGINE_GAUGES, UPDATED, DISTINCT, PARALLEL)
+PARALLEL = Family("data_parallel_size", "Data-parallel size the engines of a replica report (the largest).")
+SEEN = Family("last_seen_timestamp_seconds", "When the replica's sender was last heard from, in Unix seconds.")
+HEARTBEAT = Family(
+    "heartbeat_interval_seconds",
+    "Seconds between the heartbeats the replica's sender promised; it expires after missing several of them. "
+    "Absent for one-off pushes, which never expire.",
+)
+FAMILIES = (INFO, *ENGINE_GAUGES, UPDATED, DISTINCT, PARALLEL, SEEN, HEARTBEAT)
 
 
 def escape_label_value(value: str) -> str:
@@ -66,35 +72,42 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return ",".join(f'{name}="{escape_label_value(value)}"' for name, value in pairs)
 
 
-def render_deployment(deployment: Deployment, prefix: str) -> tuple[bytes, ...]:
-    """The lines of one deployment, one bytes string per family of ``FAMILIES`` (in that order)."""
+def render_replica(replica: Replica, prefix: str) -> tuple[bytes, ...]:
+    """The lines of one replica, one bytes string per family of ``FAMILIES`` (in that order)."""
     lines: dict[Family, list[str]] = {family: [] for family in FAMILIES}
-    if deployment.engines:
-        name = f"{prefix}cache_config_"
-        info_labels = _labels(deployment.synced.labels.items())
-        deployment_label = f'deployment="{escape_label_value(deployment.name)}"'
-        for engine in sorted(deployment.engines):
-            key = f'{deployment_label},engine="{engine}"'
+    name = f"{prefix}cache_config_"
+    replica_labels = (
+        f'deployment="{escape_label_value(replica.deployment)}",replica="{escape_label_value(replica.name)}"'
+    )
+    lines[SEEN].append(f"{name}{SEEN.suffix}{{{replica_labels}}} {format_value(replica.last_seen)}\n")
+    if replica.heartbeat_seconds is not None:
+        lines[HEARTBEAT].append(
+            f"{name}{HEARTBEAT.suffix}{{{replica_labels}}} {format_value(replica.heartbeat_seconds)}\n"
+        )
+    if replica.engines:
+        info_labels = _labels(replica.synced.labels.items())
+        for engine in sorted(replica.engines):
+            key = f'{replica_labels},engine="{engine}"'
             lines[INFO].append(f"{name}info{{{key},{info_labels}}} 1.0\n")
-            figures = deployment.synced.engines[engine]
+            figures = replica.synced.engines[engine]
             for family in ENGINE_GAUGES:
                 value = getattr(figures, family.suffix)
                 if value is not None:
                     lines[family].append(f"{name}{family.suffix}{{{key}}} {format_value(value)}\n")
-            received = deployment.engines[engine].received_at
+            received = replica.engines[engine].received_at
             lines[UPDATED].append(f"{name}{UPDATED.suffix}{{{key}}} {format_value(received)}\n")
-        for field, count in deployment.synced.distinct_values.items():
+        for field, count in replica.synced.distinct_values.items():
             lines[DISTINCT].append(
-                f'{name}{DISTINCT.suffix}{{{deployment_label},field="{field}"}} {format_value(count)}\n'
+                f'{name}{DISTINCT.suffix}{{{replica_labels},field="{field}"}} {format_value(count)}\n'
             )
-        parallel = deployment.synced.data_parallel_size
+        parallel = replica.synced.data_parallel_size
         if parallel is not None:
-            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{deployment_label}}} {format_value(parallel)}\n")
+            lines[PARALLEL].append(f"{name}{PARALLEL.suffix}{{{replica_labels}}} {format_value(parallel)}\n")
     return tuple("".join(lines[family]).encode() for family in FAMILIES)
 
 
 class CacheConfigCollector:
-    """Renders the cache-config families of every deployment, re-rendering only deployments that changed."""
+    """Renders the cache-config families of every replica, re-rendering only replicas that changed."""
 
     def __init__(self, prefix: str = "") -> None:
         self._prefix = prefix
@@ -103,17 +116,17 @@ class CacheConfigCollector:
             f"# TYPE {prefix}cache_config_{family.suffix} gauge\n".encode()
             for family in FAMILIES
         )
-        self._rendered: dict[str, tuple[Deployment, tuple[bytes, ...]]] = {}
+        self._rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
 
-    def collect(self, deployments: Mapping[str, Deployment]) -> bytes:
-        """The exposition of all ``deployments``; only called from one thread at a time."""
-        rendered: dict[str, tuple[Deployment, tuple[bytes, ...]]] = {}
-        for name in sorted(deployments):
-            deployment = deployments[name]
-            cached = self._rendered.get(name)
-            rendered[name] = cached if cached and cached[0] is deployment else (
-                deployment, render_deployment(deployment, self._prefix)
-            )  # fmt: skip
+    def collect(self, replicas: Mapping[ReplicaKey, Replica]) -> bytes:
+        """The exposition of all ``replicas``; only called from one thread at a time."""
+        rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
+        for key in sorted(replicas):
+            replica = replicas[key]
+            cached = self._rendered.get(key)
+            rendered[key] = (
+                cached if cached and cached[0] is replica else (replica, render_replica(replica, self._prefix))
+            )
         self._rendered = rendered
         parts = [entry[1] for entry in rendered.values()]
         return b"".join(

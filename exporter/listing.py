@@ -1,4 +1,4 @@
-"""What ``GET /api/v1/deployments`` sends: each deployment's JSON encoded once per change, pages joined from it.
+"""What ``GET /api/v1/deployments`` sends: each replica's JSON encoded once per change, pages joined from it.
 
 Like ``/metrics``, the list is cached per state version: a request costs a join
 of at most one page of cached parts (the whole list is joined once per version),
@@ -12,15 +12,18 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from exporter.state import Deployment, ExporterState
+from exporter.state import ExporterState, Replica, ReplicaKey
+
+# Sorts after every replica name: ``after=DEPLOYMENT`` skips all of that deployment's replicas.
+_LAST_REPLICA = "\U0010ffff"
 
 
 @dataclass
 class _Encoded:
-    """One state version's deployments: names in order, their JSON, and the whole array once asked for."""
+    """One state version's replicas: keys in order, their JSON, and the whole array once asked for."""
 
     version: int
-    names: list[str]
+    keys: list[ReplicaKey]
     parts: list[bytes]
     whole: bytes | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -33,13 +36,17 @@ class _Encoded:
 
 
 class DeploymentListing:
-    """The deployments list of the current state, whole or paged by name (``after`` a name, up to ``limit``)."""
+    """The replicas of the current state, whole or paged by (deployment, replica), up to ``limit`` at a time.
 
-    def __init__(self, state: ExporterState, encode: Callable[[Deployment], bytes]) -> None:
+    ``after`` is a deployment name (continue with the next deployment) or ``"DEPLOYMENT REPLICA"``
+    (continue with the next replica); the ``Link`` of a page gives the latter.
+    """
+
+    def __init__(self, state: ExporterState, encode: Callable[[Replica], bytes]) -> None:
         self._state = state
         self._encode = encode
-        # Deployments are immutable: an unchanged one keeps its encoded JSON from one version to the next.
-        self._by_name: dict[str, tuple[Deployment, bytes]] = {}
+        # Replicas are immutable: an unchanged one keeps its encoded JSON from one version to the next.
+        self._by_key: dict[ReplicaKey, tuple[Replica, bytes]] = {}
         self._encoded = _Encoded(-1, [], [])
         self._lock = threading.Lock()
 
@@ -56,24 +63,23 @@ class DeploymentListing:
             # Read the version before the snapshot: the snapshot is then at least that new.
             version = self._state.version
             if self._encoded.version != version:
-                deployments = self._state.snapshot()
-                by_name = {}
-                for name in sorted(deployments):
-                    deployment = deployments[name]
-                    cached = self._by_name.get(name)
-                    by_name[name] = cached if cached and cached[0] is deployment else (
-                        deployment, self._encode(deployment)
-                    )  # fmt: skip
-                self._by_name = by_name
-                self._encoded = _Encoded(version, list(by_name), [part for _, part in by_name.values()])
+                replicas = self._state.snapshot()
+                by_key = {}
+                for key in sorted(replicas):
+                    replica = replicas[key]
+                    cached = self._by_key.get(key)
+                    by_key[key] = cached if cached and cached[0] is replica else (replica, self._encode(replica))
+                self._by_key = by_key
+                self._encoded = _Encoded(version, list(by_key), [part for _, part in by_key.values()])
             return self._encoded
 
     def page(self, after: str | None, limit: int | None) -> tuple[Sequence[bytes], str | None]:
-        """The JSON array (as chunks), and the name to continue ``after`` when more deployments follow."""
+        """The JSON array (as chunks), and the cursor to continue ``after`` when more replicas follow."""
         encoded = self._current()
         if after is None and limit is None:
             return (encoded.everything(),), None
-        start = 0 if after is None else bisect.bisect_right(encoded.names, after)
-        end = len(encoded.names) if limit is None else min(start + limit, len(encoded.names))
+        deployment, _, replica = (after or "").partition(" ")
+        start = 0 if after is None else bisect.bisect_right(encoded.keys, (deployment, replica or _LAST_REPLICA))
+        end = len(encoded.keys) if limit is None else min(start + limit, len(encoded.keys))
         body = b"[" + b",".join(encoded.parts[start:end]) + b"]"
-        return (body,), encoded.names[end - 1] if end < len(encoded.names) else None
+        return (body,), " ".join(encoded.keys[end - 1]) if end < len(encoded.keys) else None

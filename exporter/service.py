@@ -28,14 +28,24 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from exporter import __version__
-from exporter.collector import CacheConfigCollector, render_deployment
+from exporter.collector import CacheConfigCollector, render_replica
 from exporter.exposition import Exposition, accepts_gzip
 from exporter.limits import RequestGuard
 from exporter.listing import DeploymentListing
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
 from exporter.security import Credentials, ResponseHeaders
 from exporter.settings import Settings
-from exporter.state import Deployment, ExporterState, LimitExceeded, Limits, StorageUnavailable, view
+from exporter.state import (
+    DEFAULT_REPLICA,
+    ExporterState,
+    LimitExceeded,
+    Limits,
+    Replica,
+    ReplicaKey,
+    StorageUnavailable,
+    UnknownReplica,
+    view,
+)
 from exporter.status_page import api_reference, status_page
 from exporter.storage import Store
 from exporter.telemetry import ExporterMetrics
@@ -59,7 +69,18 @@ READY_MEDIA_TYPES = {
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+-]*)*")
 MAX_DEPLOYMENT_NAME = 200
 MAX_PAGE = 1000
+AFTER = "Start after this deployment (all its replicas), or after 'DEPLOYMENT REPLICA'."
 EngineIndex = Annotated[int, Query(ge=0, lt=MAX_PARALLEL, description="Engine index for payloads without a rank.")]
+_REPLICA_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,199}$"
+ReplicaName = Annotated[
+    str, Query(pattern=_REPLICA_PATTERN, description="The vLLM server of the deployment (host:port, pod name, ...).")
+]
+OptionalReplica = Annotated[str | None, Query(pattern=_REPLICA_PATTERN, description="Only this replica.")]
+# From a second to a day: a sender that promises heartbeats expires after missing several.
+Heartbeat = Annotated[
+    float | None, Query(ge=1, le=86400, description="Seconds between the heartbeats the sender promises to send.")
+]
+HeartbeatInterval = Annotated[float, Query(ge=1, le=86400, description="Seconds until the next heartbeat.")]
 
 _json = msgspec.json.Encoder()
 
@@ -106,6 +127,11 @@ def _check_deployment_name(name: str) -> None:
             "deployment",
             "invalid_request",
         )
+
+
+def _replica_key(deployment: str, replica: str) -> ReplicaKey:
+    _check_deployment_name(deployment)
+    return (deployment, replica)
 
 
 def _wire_format(request: Request, accepted: dict[str, str]) -> str:
@@ -161,16 +187,21 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     credentials = Credentials.from_settings(settings)
     store = Store(settings.storage_path)
-    limits = Limits(settings.max_deployments, settings.max_engines_per_deployment, settings.max_bytes)
+    limits = Limits(
+        settings.max_deployments,
+        settings.max_replicas_per_deployment,
+        settings.max_engines_per_deployment,
+        settings.max_bytes,
+    )
 
-    def measure(deployment: Deployment) -> int:
-        """What ``--limits.bytes`` bounds: a deployment's bytes in the exposition, and of its ready responses as
+    def measure(replica: Replica) -> int:
+        """What ``--limits.bytes`` bounds: a replica's bytes in the exposition, and of its ready responses as
         received (what the store and the JSON state hold of it)."""
-        exposition = sum(len(family) for family in render_deployment(deployment, settings.metric_prefix))
-        return exposition + sum(len(report.payload) for report in deployment.engines.values())
+        exposition = sum(len(family) for family in render_replica(replica, settings.metric_prefix))
+        return exposition + sum(len(report.payload) for report in replica.engines.values())
 
-    state = ExporterState(store, settings.base_labels(), clock, limits, measure)
-    metrics = ExporterMetrics(registry, lambda: state.storage_error is None)
+    state = ExporterState(store, settings.base_labels(), clock, limits, settings.missed_heartbeats, measure)
+    metrics = ExporterMetrics(registry, lambda: state.storage_error is None, lambda: state.expired_total)
     registry.register(credentials)  # the reload state of the access files
     exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), metrics)
     listing = DeploymentListing(state, lambda deployment: _json.encode(view(deployment)))
@@ -217,17 +248,19 @@ def create_app(
             with suppress(StorageUnavailable):
                 await asyncio.wrap_future(state.refresh())
 
-    async def found(request: Request, name: str) -> Deployment:
+    async def replicas_of(request: Request, name: str) -> list[Replica]:
         await current(request)
-        deployment = state.get(name)
-        if deployment is None:
+        replicas = state.replicas_of(name)
+        if not replicas:
             raise _unknown_deployment(name)
-        return deployment
+        return replicas
 
-    async def ingest(name: str, request: Request, engine: int | None) -> Response:
+    async def ingest(
+        name: str, replica: str, request: Request, engine: int | None, heartbeat: float | None
+    ) -> Response:
         try:
             credentials.require_ingest(request)
-            _check_deployment_name(name)
+            key = _replica_key(name, replica)
             wire_format = _wire_format(request, READY_MEDIA_TYPES)
             payload = await request.body()
             if not payload:
@@ -238,44 +271,80 @@ def create_app(
                 check_engine_index(index, response)
             except InvalidPayload as error:
                 raise _refusal(error, "Invalid ready response") from None
-            deployment = await _committed(
-                state.apply_ready(name, index, response, payload, wire_format), "Invalid ready response"
+            updated = await _committed(
+                state.apply_ready(key, index, response, payload, wire_format, heartbeat), "Invalid ready response"
             )
         except Problem as problem:
             metrics.reject(problem.reason)
             raise
         metrics.accepted += 1
-        return _json_response(view(deployment))
+        return _json_response(view(updated))
 
     @app.post("/api/v1/ready", summary="Ingest a ready response for the deployment 'default'")
-    async def post_default_ready(request: Request, engine: EngineIndex = None) -> Response:
-        return await ingest("default", request, engine)
+    async def post_default_ready(
+        request: Request,
+        engine: EngineIndex = None,
+        replica: ReplicaName = DEFAULT_REPLICA,
+        heartbeat: Heartbeat = None,
+    ) -> Response:
+        return await ingest("default", replica, request, engine, heartbeat)
 
     @app.post("/api/v1/deployments/{deployment:name}/ready", summary="Ingest one engine's ready response")
-    async def post_ready(deployment: str, request: Request, engine: EngineIndex = None) -> Response:
-        return await ingest(deployment, request, engine)
+    async def post_ready(
+        deployment: str,
+        request: Request,
+        engine: EngineIndex = None,
+        replica: ReplicaName = DEFAULT_REPLICA,
+        heartbeat: Heartbeat = None,
+    ) -> Response:
+        return await ingest(deployment, replica, request, engine, heartbeat)
 
     @app.put(
         "/api/v1/deployments/{deployment:name}/cache-config",
-        summary="Set a deployment's static labels: its frontend's CacheConfig.metrics_info()",
+        summary="Set a replica's static labels: its frontend's CacheConfig.metrics_info()",
     )
-    async def put_cache_config(deployment: str, request: Request) -> Response:
+    async def put_cache_config(
+        deployment: str, request: Request, replica: ReplicaName = DEFAULT_REPLICA, heartbeat: Heartbeat = None
+    ) -> Response:
         credentials.require_ingest(request)
-        _check_deployment_name(deployment)
+        key = _replica_key(deployment, replica)
         _wire_format(request, {"application/json": JSON})
         try:
             labels = decode_static_labels(await request.body())
         except InvalidPayload as error:
             raise _refusal(error, "Invalid cache config") from None
-        return _json_response(
-            view(await _committed(state.set_static_labels(deployment, labels), "Invalid cache config"))
-        )
+        updated = await _committed(state.set_static_labels(key, labels, heartbeat), "Invalid cache config")
+        return _json_response(view(updated))
 
-    @app.api_route("/api/v1/deployments", methods=["GET", "HEAD"], summary="Every deployment's synced state, by name")
+    @app.post(
+        "/api/v1/deployments/{deployment:name}/heartbeat",
+        summary="A replica is alive: its series stay until it misses several heartbeats",
+        status_code=204,
+    )
+    async def post_heartbeat(
+        deployment: str, request: Request, interval: HeartbeatInterval, replica: ReplicaName = DEFAULT_REPLICA
+    ) -> Response:
+        credentials.require_ingest(request)
+        key = _replica_key(deployment, replica)
+        try:
+            await _committed(state.heartbeat(key, interval), "Invalid heartbeat")
+        except UnknownReplica:
+            raise Problem(
+                404,
+                "Unknown replica",
+                f"no replica {replica!r} of {deployment!r}: send its state",
+                "replica",
+                "not_found",
+            ) from None
+        return Response(status_code=204)
+
+    @app.api_route(
+        "/api/v1/deployments", methods=["GET", "HEAD"], summary="Every replica's synced state, by deployment"
+    )
     async def list_deployments(
         request: Request,
-        after: Annotated[str | None, Query(max_length=MAX_DEPLOYMENT_NAME, description="Start after this name")] = None,
-        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="Most deployments to return.")] = None,
+        after: Annotated[str | None, Query(max_length=2 * MAX_DEPLOYMENT_NAME + 1, description=AFTER)] = None,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="Most replicas to return.")] = None,
     ) -> Response:
         await current(request)
         if after is not None and limit is None:
@@ -291,23 +360,33 @@ def create_app(
         return ChunkedBody(chunks, "application/json", headers)
 
     @app.delete("/api/v1/deployments/{deployment:name}/engines/{engine}", summary="Forget one engine")
-    async def delete_engine(deployment: str, engine: int, request: Request) -> Response:
+    async def delete_engine(
+        deployment: str, engine: int, request: Request, replica: ReplicaName = DEFAULT_REPLICA
+    ) -> Response:
         credentials.require_ingest(request)
-        result = await _committed(state.delete_engine(deployment, engine), "Invalid request")
+        result = await _committed(state.delete_engine((deployment, replica), engine), "Invalid request")
         if result is None:
-            raise Problem(404, "Unknown engine", f"{deployment!r} has no engine {engine}", "engine", "not_found")
+            detail = f"replica {replica!r} of {deployment!r} has no engine {engine}"
+            raise Problem(404, "Unknown engine", detail, "engine", "not_found")
         return _json_response(view(result))
 
     @app.api_route("/api/v1/deployments/{deployment:name}", methods=["GET", "HEAD"],
-                   summary="One deployment's synced state")  # fmt: skip
+                   summary="The synced state of a deployment's replicas")  # fmt: skip
     async def get_deployment(deployment: str, request: Request) -> Response:
-        return _json_response(view(await found(request, deployment)))
+        return _json_response([view(replica) for replica in await replicas_of(request, deployment)])
 
-    @app.delete("/api/v1/deployments/{deployment:name}", summary="Forget a deployment", status_code=204)
-    async def delete_deployment(deployment: str, request: Request) -> Response:
+    @app.delete(
+        "/api/v1/deployments/{deployment:name}",
+        summary="Forget a deployment, or with ?replica= one replica (a sender's goodbye)",
+        status_code=204,
+    )
+    async def delete_deployment(deployment: str, request: Request, replica: OptionalReplica = None) -> Response:
         credentials.require_ingest(request)
-        if not await _committed(state.delete_deployment(deployment), "Invalid request"):
-            raise _unknown_deployment(deployment)
+        if replica is None:
+            if not await _committed(state.delete_deployment(deployment), "Invalid request"):
+                raise _unknown_deployment(deployment)
+        elif not await _committed(state.delete_replica((deployment, replica)), "Invalid request"):
+            raise Problem(404, "Unknown replica", f"no replica {replica!r} of {deployment!r}", "replica", "not_found")
         return Response(status_code=204)
 
     @app.api_route(settings.telemetry_path, methods=["GET", "HEAD"], include_in_schema=False)

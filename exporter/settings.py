@@ -50,6 +50,8 @@ class Settings:
     read_timeout_seconds: float = 10.0
     max_connections: int = 1024
     max_deployments: int = 10_000
+    max_replicas_per_deployment: int = 1_024
+    # Per replica: one vLLM server's data-parallel engines.
     max_engines_per_deployment: int = 1_024
     max_bytes: int = 128 << 20
     max_header_bytes: int = 16 << 10
@@ -57,6 +59,7 @@ class Settings:
     shutdown_timeout_seconds: float = 10.0
     # Host names served besides loopback ones; None serves any (see ``allowed_hosts``).
     allowed_hosts: tuple[str, ...] | None = None
+    missed_heartbeats: int = 3
 
     def __post_init__(self) -> None:
         if self.metric_prefix and not _METRIC_PREFIX.fullmatch(self.metric_prefix):
@@ -68,7 +71,9 @@ class Settings:
             ("--web.max-request-bytes", self.max_request_bytes),
             ("--web.max-connections", self.max_connections),
             ("--limits.deployments", self.max_deployments),
+            ("--limits.replicas-per-deployment", self.max_replicas_per_deployment),
             ("--limits.engines-per-deployment", self.max_engines_per_deployment),
+            ("--expiry.missed-heartbeats", self.missed_heartbeats),
             ("--web.read-timeout", self.read_timeout_seconds),
             ("--limits.bytes", self.max_bytes),
             ("--web.max-header-bytes", self.max_header_bytes),

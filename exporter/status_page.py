@@ -13,10 +13,10 @@ from typing import Any
 from urllib.parse import quote
 
 from exporter import __version__
-from exporter.state import Deployment, DeploymentView, view
+from exporter.state import Replica, ReplicaKey, ReplicaView, view
 
-# Beyond this many deployments the page lists the first ones and points at the JSON for the rest.
-MAX_LISTED_DEPLOYMENTS = 500
+# Beyond this many replicas the page lists the first ones and points at the JSON for the rest.
+MAX_LISTED_REPLICAS = 500
 _FIELDS = ("block_size", "mamba_block_size")
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2rem;color:#1b1f24;max-width:72rem}
@@ -48,12 +48,16 @@ def _value(value: object) -> str:
     return "—" if value is None else escape(str(value))
 
 
-def _anchor(name: str) -> str:
-    return escape("deployment-" + quote(name, safe=""))
+def _anchor(replica: ReplicaView) -> str:
+    return escape(f"replica-{quote(replica.deployment, safe='')}-{quote(replica.replica, safe='')}")
 
 
-def _disagreements(deployment: DeploymentView) -> list[str]:
-    """One sentence per field on which the engines of a deployment report different values."""
+def _title(replica: ReplicaView) -> str:
+    return f"{escape(replica.deployment)} · {escape(replica.replica)}"
+
+
+def _disagreements(deployment: ReplicaView) -> list[str]:
+    """One sentence per field on which the engines of a replica report different values."""
     sentences = []
     for field in _FIELDS:
         if deployment.distinct_values.get(field, 1) > 1:
@@ -61,15 +65,14 @@ def _disagreements(deployment: DeploymentView) -> list[str]:
                 f"engine {engine.engine}: {_value(getattr(engine.figures, field))}" for engine in deployment.engines
             )
             sentences.append(
-                f'<a href="#{_anchor(deployment.deployment)}"><code>{escape(deployment.deployment)}</code></a>: '
+                f'<a href="#{_anchor(deployment)}"><code>{_title(deployment)}</code></a>: '
                 f"{field} differs ({values}); "
                 f"the lowest engine index's {_value(deployment.labels.get(field))} is published"
             )
     return sentences
 
 
-def _deployment_section(deployment: DeploymentView, now: float) -> str:
-    name = escape(deployment.deployment)
+def _replica_section(deployment: ReplicaView, now: float) -> str:
     json_link = "/api/v1/deployments/" + quote(deployment.deployment, safe="/")
     expected = deployment.data_parallel_size
     reporting = f"{len(deployment.engines)}" + (f" of {expected}" if expected is not None else "")
@@ -86,10 +89,11 @@ def _deployment_section(deployment: DeploymentView, now: float) -> str:
             f'<td>{_value(figures.max_model_len)}</td><td class="name">{_when(engine.received_at, now)}</td></tr>'
         )
     return (
-        f'<section class="deployment"><h2 id="{_anchor(deployment.deployment)}">{name}</h2>'
+        f'<section class="deployment"><h2 id="{_anchor(deployment)}">{_title(deployment)}</h2>'
         f"<p>block_size <strong>{_value(deployment.labels.get('block_size'))}</strong>, "
         f"mamba_block_size <strong>{_value(deployment.labels.get('mamba_block_size'))}</strong>, "
-        f"engines (data-parallel replicas) reporting: {reporting}, vLLM {escape(deployment.vllm_release)} "
+        f"engines reporting: {reporting}, vLLM {escape(deployment.vllm_release)}, "
+        f"last seen {_when(deployment.last_seen, now)} "
         f'· <a href="{escape(json_link)}">JSON</a></p>'
         "<table><tr><th>engine</th><th>block size</th><th>mamba block size</th><th>GPU blocks</th>"
         '<th>max model len</th><th class="name">last report</th></tr>'
@@ -98,12 +102,13 @@ def _deployment_section(deployment: DeploymentView, now: float) -> str:
 
 
 def status_page(
-    deployments: Mapping[str, Deployment], telemetry_path: str, now: float, storage_error: str | None
+    replicas: Mapping[ReplicaKey, Replica], telemetry_path: str, now: float, storage_error: str | None
 ) -> str:
-    """``/``: every deployment's true block sizes per engine, when each last reported, and disagreements."""
-    names = sorted(deployments)
-    views = [view(deployments[name]) for name in names[:MAX_LISTED_DEPLOYMENTS]]
-    engines = sum(len(deployment.engines) for deployment in deployments.values())
+    """``/``: every replica's true block sizes per engine, when each last reported, and disagreements."""
+    keys = sorted(replicas)
+    views = [view(replicas[key]) for key in keys[:MAX_LISTED_REPLICAS]]
+    engines = sum(len(replica.engines) for replica in replicas.values())
+    deployments = {key[0] for key in keys}
     links = (
         f'<nav><a href="{escape(telemetry_path)}">Metrics</a><a href="/api/v1/deployments">Deployments (JSON)</a>'
         '<a href="/docs">API documentation</a><a href="/-/healthy">Health</a><a href="/-/ready">Readiness</a></nav>'
@@ -112,7 +117,7 @@ def status_page(
         f"<h1>cache-config-exporter {escape(__version__)}</h1>",
         "<p>The KV-cache configuration vLLM engines really run with, synced from their ready responses.</p>",
         links,
-        f'<p id="summary">{len(deployments)} deployment(s), {engines} engine(s).</p>',
+        f'<p id="summary">{len(deployments)} deployment(s), {len(keys)} replica(s), {engines} engine(s).</p>',
     ]
     if storage_error is not None:
         parts.append(f'<p class="warning">Storage failing: {escape(storage_error)}. Ingest answers 503.</p>')
@@ -122,14 +127,12 @@ def status_page(
         parts.append(
             f'<section id="disagreements" class="warning"><h2>Engines that disagree</h2><ul>{items}</ul></section>'
         )
-    if not deployments:
+    if not replicas:
         parts.append('<p class="muted">No engine has reported yet.</p>')
-    parts.extend(_deployment_section(deployment, now) for deployment in views)
-    if len(names) > MAX_LISTED_DEPLOYMENTS:
-        hidden = len(names) - MAX_LISTED_DEPLOYMENTS
-        parts.append(
-            f'<p class="muted">{hidden} more deployment(s): see <a href="/api/v1/deployments">the JSON</a>.</p>'
-        )
+    parts.extend(_replica_section(replica, now) for replica in views)
+    if len(keys) > MAX_LISTED_REPLICAS:
+        hidden = len(keys) - MAX_LISTED_REPLICAS
+        parts.append(f'<p class="muted">{hidden} more replica(s): see <a href="/api/v1/deployments">the JSON</a>.</p>')
     return _page("cache-config-exporter", "".join(parts))
 
 

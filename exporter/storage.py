@@ -1,7 +1,8 @@
 """Durable storage of what the exporter was told: SQLite, committed before any 2xx answer.
 
-Only inputs are stored (each deployment's static labels and instance, each
-engine's latest ready response as the bytes received, with their wire format);
+Only inputs are stored (each replica's static labels, instance, heartbeat
+interval and last-seen time, each engine's latest ready response as the bytes
+received, with their wire format);
 the synced config is derived from them again on load, so a fix to the sync rules
 or a newer release table applies to stored data too, and no key an engine sent
 is ever lost.
@@ -23,23 +24,41 @@ SCHEMA_VERSION = 2
 LOCK_TIMEOUT_SECONDS = 1.0
 
 _SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS deployments (
-        name TEXT PRIMARY KEY,
+    """CREATE TABLE IF NOT EXISTS replicas (
+        deployment TEXT NOT NULL,
+        replica TEXT NOT NULL,
         static_config BLOB NOT NULL,
-        instance_id TEXT
+        instance_id TEXT,
+        heartbeat_seconds REAL,
+        last_seen REAL NOT NULL,
+        PRIMARY KEY (deployment, replica)
     )""",
     """CREATE TABLE IF NOT EXISTS engines (
-        deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
+        deployment TEXT NOT NULL,
+        replica TEXT NOT NULL,
         engine INTEGER NOT NULL,
         response BLOB NOT NULL,
         received_at REAL NOT NULL,
-        wire_format TEXT NOT NULL DEFAULT 'msgpack',
-        PRIMARY KEY (deployment, engine)
+        wire_format TEXT NOT NULL,
+        PRIMARY KEY (deployment, replica, engine),
+        FOREIGN KEY (deployment, replica) REFERENCES replicas (deployment, replica) ON DELETE CASCADE
     )""",
     "CREATE TABLE IF NOT EXISTS probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL)",
 )
-# From each older schema version to the next; version 1 stored re-encoded msgpack only.
-_MIGRATIONS = {1: ("ALTER TABLE engines ADD COLUMN wire_format TEXT NOT NULL DEFAULT 'msgpack'",)}
+# From each older schema version to the current one. Version 1 had one replica per deployment and
+# stored re-encoded msgpack; its rows become the replica "default", seen when last received.
+_MIGRATIONS = {
+    1: (
+        "ALTER TABLE engines RENAME TO engines_v1",
+        "ALTER TABLE deployments RENAME TO deployments_v1",
+        *_SCHEMA[:2],
+        "INSERT INTO replicas SELECT name, 'default', static_config, instance_id, NULL, "
+        "COALESCE((SELECT max(received_at) FROM engines_v1 WHERE deployment = name), 0) FROM deployments_v1",
+        "INSERT INTO engines SELECT deployment, 'default', engine, response, received_at, 'msgpack' FROM engines_v1",
+        "DROP TABLE engines_v1",
+        "DROP TABLE deployments_v1",
+    )
+}
 
 
 class StorageError(RuntimeError):
@@ -56,12 +75,15 @@ class StoredEngine:
 
 
 @dataclass
-class StoredDeployment:
-    """One deployment as stored: raw inputs, not yet decoded."""
+class StoredReplica:
+    """One replica as stored: raw inputs, not yet decoded."""
 
-    name: str
+    deployment: str
+    replica: str
     static_config: bytes
     instance_id: str | None
+    heartbeat_seconds: float | None
+    last_seen: float
     engines: dict[int, StoredEngine] = field(default_factory=dict)
 
 
@@ -114,7 +136,7 @@ class Store:
             problems = " ".join(" ".join(row[0] for row in self._db.execute("PRAGMA quick_check(3)")).split())
             if problems != "ok":
                 raise StorageError(f"{self.path} is damaged ({problems}); refusing to touch it")
-            return version if {"deployments", "engines", "probe"} <= tables else 0
+            return version if {"engines", "probe"} <= tables else 0
         if application_id != 0 or tables:
             raise StorageError(f"{self.path} is a database of another program; refusing to touch it")
         return 0
@@ -148,44 +170,50 @@ class Store:
             raise
         self._db.execute("COMMIT")
 
-    def load(self) -> list[StoredDeployment]:
-        """Every stored deployment with its engines."""
-        deployments = {
-            name: StoredDeployment(name, static_config, instance_id)
-            for name, static_config, instance_id in self._db.execute(
-                "SELECT name, static_config, instance_id FROM deployments ORDER BY name"
+    def load(self) -> list[StoredReplica]:
+        """Every stored replica with its engines."""
+        replicas = {
+            (row[0], row[1]): StoredReplica(*row)
+            for row in self._db.execute(
+                "SELECT deployment, replica, static_config, instance_id, heartbeat_seconds, last_seen FROM replicas "
+                "ORDER BY deployment, replica"
             )
         }
-        for name, engine, payload, wire_format, received_at in self._db.execute(
-            "SELECT deployment, engine, response, wire_format, received_at FROM engines"
+        for deployment, replica, engine, payload, wire_format, received_at in self._db.execute(
+            "SELECT deployment, replica, engine, response, wire_format, received_at FROM engines"
         ):
-            deployments[name].engines[engine] = StoredEngine(payload, wire_format, received_at)
+            replicas[deployment, replica].engines[engine] = StoredEngine(payload, wire_format, received_at)
         self._data_version = self._read_data_version()
-        return list(deployments.values())
+        return list(replicas.values())
 
-    def save_deployment(self, name: str, static_config: bytes, instance_id: str | None) -> None:
+    def save_replica(self, stored: StoredReplica) -> None:
+        """Insert or update a replica's own row (its engines are saved one by one)."""
         self._db.execute(
-            "INSERT INTO deployments (name, static_config, instance_id) VALUES (?, ?, ?) "
-            "ON CONFLICT(name) DO UPDATE SET "
-            "static_config = excluded.static_config, instance_id = excluded.instance_id",
-            (name, static_config, instance_id),
+            "INSERT INTO replicas (deployment, replica, static_config, instance_id, heartbeat_seconds, last_seen) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(deployment, replica) DO UPDATE SET "
+            "static_config = excluded.static_config, instance_id = excluded.instance_id, "
+            "heartbeat_seconds = excluded.heartbeat_seconds, last_seen = excluded.last_seen",
+            (stored.deployment, stored.replica, stored.static_config, stored.instance_id,
+             stored.heartbeat_seconds, stored.last_seen),
+        )  # fmt: skip
+
+    def save_engine(self, deployment: str, replica: str, engine: int, stored: StoredEngine) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO engines (deployment, replica, engine, response, wire_format, received_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (deployment, replica, engine, stored.payload, stored.wire_format, stored.received_at),
         )
 
-    def save_engine(self, deployment: str, engine: int, stored: StoredEngine) -> None:
+    def delete_engines(self, deployment: str, replica: str) -> None:
+        self._db.execute("DELETE FROM engines WHERE deployment = ? AND replica = ?", (deployment, replica))
+
+    def delete_replica(self, deployment: str, replica: str) -> None:
+        self._db.execute("DELETE FROM replicas WHERE deployment = ? AND replica = ?", (deployment, replica))
+
+    def delete_engine(self, deployment: str, replica: str, engine: int) -> None:
         self._db.execute(
-            "INSERT OR REPLACE INTO engines (deployment, engine, response, wire_format, received_at) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (deployment, engine, stored.payload, stored.wire_format, stored.received_at),
+            "DELETE FROM engines WHERE deployment = ? AND replica = ? AND engine = ?", (deployment, replica, engine)
         )
-
-    def delete_engines(self, deployment: str) -> None:
-        self._db.execute("DELETE FROM engines WHERE deployment = ?", (deployment,))
-
-    def delete_deployment(self, deployment: str) -> None:
-        self._db.execute("DELETE FROM deployments WHERE name = ?", (deployment,))
-
-    def delete_engine(self, deployment: str, engine: int) -> None:
-        self._db.execute("DELETE FROM engines WHERE deployment = ? AND engine = ?", (deployment, engine))
 
     def probe(self) -> None:
         """Write one row: proves the disk takes writes again after a fault."""

@@ -36,6 +36,7 @@ REJECTION_REASONS = (
 PROCESS_SAMPLE_SECONDS = 1.0
 _ACCEPTED = "cache_config_exporter_ready_responses_accepted"
 _REJECTED = "cache_config_exporter_ready_responses_rejected"
+_EXPIRED = "cache_config_exporter_replicas_expired"
 
 
 def _family(name: str, kind: str, help_text: str, samples: str, openmetrics: bool) -> str:
@@ -47,8 +48,11 @@ def _family(name: str, kind: str, help_text: str, samples: str, openmetrics: boo
 class ExporterMetrics:
     """Counters of ready responses, storage health and build info; ``registry`` holds the process metrics."""
 
-    def __init__(self, registry: CollectorRegistry, storage_healthy: Callable[[], bool]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, storage_healthy: Callable[[], bool], replicas_expired: Callable[[], int]
+    ) -> None:
         self.accepted = 0
+        self._replicas_expired = replicas_expired
         self.rejected = dict.fromkeys(REJECTION_REASONS, 0)
         self._storage_healthy = storage_healthy
         self._registry = registry
@@ -81,6 +85,9 @@ class ExporterMetrics:
                     f"{_ACCEPTED}_total {format_value(self.accepted)}\n", openmetrics),
             _family(_REJECTED, "counter", "Ready responses refused, by reason; nothing was stored for them.",
                     rejected, openmetrics),
+            _family(_EXPIRED, "counter",
+                    "Replicas removed because they missed their heartbeats without saying goodbye.",
+                    f"{_EXPIRED}_total {format_value(self._replicas_expired())}\n", openmetrics),
             _family("cache_config_exporter_storage_healthy", "gauge",
                     "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
                     f"cache_config_exporter_storage_healthy {format_value(self._storage_healthy())}\n", openmetrics),

@@ -1,4 +1,4 @@
-"""A vLLM general plugin that forwards every engine's ready response from vLLM's frontend to the exporter.
+"""A vLLM general plugin that keeps every exporter told what this vLLM server's engines really run with.
 
 vLLM calls ``register()`` (entry point group ``vllm.general_plugins``) in its
 frontend, in every engine core process and in every worker, possibly several
@@ -8,63 +8,86 @@ other processes is harmless; telling the frontend apart by process name or
 parentage would be fragile (several API server processes, Ray, forking
 launchers), whereas the method runs exactly where the payloads arrive.
 
-The wrapper runs vLLM's method first and unchanged, then only queues the
-bytes with the frontend's ``cache_config.metrics_info()`` (the labels of vLLM's
-own ``vllm:cache_config_info``, exactly as vLLM renders them): one daemon thread
-PUTs that map whenever it changed since it was last sent, then POSTs the payload
-unchanged, in order, with a short timeout and bounded retries. A failure logs
-one warning and never reaches vLLM, and vLLM's start-up never waits for the
-exporter.
+The wrapper runs vLLM's method first and unchanged, then hands the bytes, with
+the frontend's ``cache_config.metrics_info()`` (the labels of vLLM's own
+``vllm:cache_config_info``, exactly as vLLM renders them), to one daemon thread
+per exporter URL, so that an exporter away never delays another. This vLLM
+server is one *replica* of its deployment, named after its host and API port.
+Each thread keeps only what its exporter must end up holding: the newest
+static labels and the newest ready response of each engine of the current run
+(a new ``instance_id`` drops the previous run's). It delivers them, labels
+first, retrying with capped exponential backoff until they are delivered or
+superseded, so an exporter away for any length of time loses nothing and
+memory stays bounded by the number of engines. Once delivered, a small
+heartbeat keeps the replica alive; a heartbeat the exporter does not know
+(a new or restarted exporter) sends the whole state again; a clean exit of
+vLLM says goodbye. Nothing ever raises into vLLM or waits for an exporter.
 
-Imports only the standard library, and vLLM only inside ``register()``, so
-that loading the plugin costs nothing where it is switched off.
+Imports only the standard library, and vLLM (with its msgspec) only once
+vLLM calls in, so that loading the plugin costs nothing where it is switched off.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import http.client
 import importlib
+import itertools
 import json
 import logging
+import math
 import os
 import re
+import socket
+import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from exporter import __version__
 
 URL_VARIABLE = "CACHE_CONFIG_EXPORTER_URL"
 DEPLOYMENT_VARIABLE = "CACHE_CONFIG_EXPORTER_DEPLOYMENT"
+REPLICA_VARIABLE = "CACHE_CONFIG_EXPORTER_REPLICA"
+HEARTBEAT_VARIABLE = "CACHE_CONFIG_EXPORTER_HEARTBEAT_SECONDS"
 TOKEN_FILE_VARIABLE = "CACHE_CONFIG_EXPORTER_TOKEN_FILE"
 TOKEN_VARIABLE = "CACHE_CONFIG_EXPORTER_TOKEN"
 # The same variable as ``cache-config-exporter push --timeout``.
 TIMEOUT_VARIABLE = "CACHE_CONFIG_EXPORTER_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 2.0
-# Waits between attempts: four attempts per request, then one warning.
-RETRY_DELAYS_SECONDS = (0.5, 1.0, 2.0)
-# Answers that may change on their own; any other refusal (401, 422, ...) is final at once.
-RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-# One payload per engine and start; far more than any data-parallel size is never kept.
-MAX_QUEUED = 1024
+DEFAULT_HEARTBEAT_SECONDS = 30.0
+# The heartbeat intervals the exporter accepts.
+MIN_HEARTBEAT_SECONDS = 1.0
+MAX_HEARTBEAT_SECONDS = 86400.0
+# Backoff while an exporter is away: doubling from the first wait up to the cap, and never beyond one
+# heartbeat interval, so that an exporter that is back has the whole state within one interval.
+FIRST_RETRY_SECONDS = 0.5
+MAX_RETRY_SECONDS = 30.0
+# Answers that may change on their own (401 and 403 too: the token file may be rotated);
+# any other refusal (400, 409, 422, ...) is final for what was sent.
+RETRY_STATUSES = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
+# vLLM's API server port when ``--port`` is not given.
+VLLM_DEFAULT_PORT = "8000"
 # Set on the wrapper: marks the method as patched and lets tests reach its forwarder.
 FORWARDER_ATTRIBUTE = "cache_config_exporter_forwarder"
 # RFC 7230 visible characters: anything else could break the header (and land in an error message).
 _BEARER_TOKEN = re.compile(r"[!-~]+")
 _USER_AGENT = f"cache-config-exporter-vllm-plugin/{__version__}"
-# The exporter's deployment names: ``/``-separated segments, at most this long.
+# The exporter's names: a deployment is ``/``-separated segments, a replica one segment; each at most 200 long.
 _NAME_SEGMENT_START = re.compile(r"[^A-Za-z0-9_]")
 _NAME_SEGMENT_REST = re.compile(r"[^A-Za-z0-9_.:@+-]")
-MAX_DEPLOYMENT_LENGTH = 200
+MAX_NAME_LENGTH = 200
 DEFAULT_DEPLOYMENT = "default"
+DEFAULT_REPLICA = "default"
 # A served model name that is a path, not a name: ``vllm serve /models/llama`` without ``--served-model-name``.
 _PATH_PREFIXES = ("/", "./", "../", "~")
+_URL_SEPARATORS = re.compile(r"[\s,]+")
 
 # A child of vLLM's own logger, so that messages appear in vLLM's log with its format.
 logger = logging.getLogger("vllm.cache_config_exporter")
@@ -74,76 +97,110 @@ logger = logging.getLogger("vllm.cache_config_exporter")
 class Target:
     """Where and how to send, from the environment of the vLLM process."""
 
-    url: str
+    urls: tuple[str, ...]
     deployment: str | None = None
+    replica: str | None = None
     token_file: str | None = None
     # Kept out of repr(): the token must never reach a log or a traceback.
     token: str | None = field(default=None, repr=False)
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Target | None:
-        """``None`` when ``CACHE_CONFIG_EXPORTER_URL`` is unset or empty: the plugin is off."""
-        url = environ.get(URL_VARIABLE, "").strip().rstrip("/")
-        if not url:
-            return None
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            logger.warning("cache-config-exporter: %s=%r is not an http(s) URL; not forwarding", URL_VARIABLE, url)
+        """``None`` when ``CACHE_CONFIG_EXPORTER_URL`` holds no http(s) URL: the plugin is off."""
+        urls = _urls(environ.get(URL_VARIABLE, ""))
+        if not urls:
             return None
         return cls(
-            url=url,
+            urls=urls,
             deployment=environ.get(DEPLOYMENT_VARIABLE, "").strip() or None,
+            replica=environ.get(REPLICA_VARIABLE, "").strip() or None,
             token_file=environ.get(TOKEN_FILE_VARIABLE, "").strip() or None,
             token=environ.get(TOKEN_VARIABLE, "").strip() or None,
-            timeout_seconds=_timeout(environ.get(TIMEOUT_VARIABLE)),
+            timeout_seconds=_seconds(
+                TIMEOUT_VARIABLE,
+                environ.get(TIMEOUT_VARIABLE),
+                DEFAULT_TIMEOUT_SECONDS,
+                lambda seconds: 0.0 < seconds < math.inf,
+                "a positive number of seconds",
+            ),
+            heartbeat_seconds=_seconds(
+                HEARTBEAT_VARIABLE,
+                environ.get(HEARTBEAT_VARIABLE),
+                DEFAULT_HEARTBEAT_SECONDS,
+                lambda seconds: MIN_HEARTBEAT_SECONDS <= seconds <= MAX_HEARTBEAT_SECONDS,
+                f"a number of seconds from {MIN_HEARTBEAT_SECONDS:g} to {MAX_HEARTBEAT_SECONDS:g}",
+            ),
         )
 
 
-def _timeout(value: str | None) -> float:
+def _urls(value: str) -> tuple[str, ...]:
+    """The distinct http(s) URLs of a comma- or space-separated list; each other entry gets a warning."""
+    urls: list[str] = []
+    for entry in _URL_SEPARATORS.split(value.strip()):
+        url = entry.rstrip("/")
+        if not url:
+            continue
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            logger.warning(
+                "cache-config-exporter: %s holds %r, not an http(s) URL; not forwarding to it", URL_VARIABLE, url
+            )
+        elif url not in urls:
+            urls.append(url)
+    return tuple(urls)
+
+
+def _seconds(variable: str, value: str | None, default: float, valid: Callable[[float], bool], expected: str) -> float:
+    """``value`` as seconds when ``valid``; else ``default``, with a warning saying what was ``expected``."""
     if value is None:
-        return DEFAULT_TIMEOUT_SECONDS
+        return default
     try:
         seconds = float(value)
     except ValueError:
-        seconds = 0.0
-    if not 0.0 < seconds < float("inf"):
-        logger.warning(
-            "cache-config-exporter: %s=%r is not a positive number of seconds; using %s",
-            TIMEOUT_VARIABLE,
-            value,
-            DEFAULT_TIMEOUT_SECONDS,
-        )
-        return DEFAULT_TIMEOUT_SECONDS
-    return seconds
+        seconds = math.nan
+    if valid(seconds):
+        return seconds
+    logger.warning("cache-config-exporter: %s=%r is not %s; using %s", variable, value, expected, default)
+    return default
 
 
-class _Job(NamedTuple):
-    deployment: str
-    config: dict[str, str]
-    payload: bytes
-
-
-class _DeliveryFailed(Exception):
-    """A job that cannot be delivered; the message says why and is fit for the log."""
-
-
-class _ConfigRefused(Exception):
-    """The exporter refused one field of the static config; the ready response still goes."""
-
-    def __init__(self, field_name: str, detail: str) -> None:
-        super().__init__(f"{field_name}: {detail}")
-        self.field_name = field_name
-        self.detail = detail
+def _fit_segment(segment: str) -> str:
+    return _NAME_SEGMENT_START.sub("_", segment[0]) + _NAME_SEGMENT_REST.sub("_", segment[1:])
 
 
 def fit_deployment_name(name: str) -> str:
     """``name`` made to fit the exporter's rule: every character it does not allow becomes ``_``."""
-    segments = [segment for segment in name.split("/") if segment]
-    fitted = "/".join(
-        _NAME_SEGMENT_START.sub("_", segment[0]) + _NAME_SEGMENT_REST.sub("_", segment[1:]) for segment in segments
-    )
-    return fitted[:MAX_DEPLOYMENT_LENGTH].rstrip("/") or DEFAULT_DEPLOYMENT
+    fitted = "/".join(_fit_segment(segment) for segment in name.split("/") if segment)
+    return fitted[:MAX_NAME_LENGTH].rstrip("/") or DEFAULT_DEPLOYMENT
+
+
+def fit_replica_name(name: str) -> str:
+    """``name`` made to fit the exporter's rule for a replica (one segment, ``/`` too becomes ``_``)."""
+    return _fit_segment(name)[:MAX_NAME_LENGTH] if name else DEFAULT_REPLICA
+
+
+def api_port(argv: Sequence[str]) -> str:
+    """The port of vLLM's API server as its command line gives it (``--port N``, ``--port=N``), else vLLM's default."""
+    port = VLLM_DEFAULT_PORT
+    for index, argument in enumerate(argv):
+        if argument == "--port" and index + 1 < len(argv):
+            port = argv[index + 1]
+        elif argument.startswith("--port="):
+            port = argument.partition("=")[2]
+    return port
+
+
+def replica_of(configured: str | None, argv: Sequence[str] | None = None, host: str | None = None) -> str:
+    """The configured replica name, else ``<host name>:<API port>``: what tells this vLLM server apart, fit to send.
+
+    Stable across restarts of the same server; in Kubernetes the host name is the pod's name.
+    """
+    if configured:
+        return fit_replica_name(configured)
+    port = api_port(sys.argv if argv is None else argv)
+    return fit_replica_name(f"{host if host is not None else socket.gethostname()}:{port}")
 
 
 def deployment_of(client: object, configured: str | None) -> str:
@@ -170,113 +227,297 @@ def static_config_of(client: object) -> dict[str, str]:
     return dict(client.vllm_config.cache_config.metrics_info())  # type: ignore[attr-defined]
 
 
-class Forwarder:
-    """Sends queued ready responses to the exporter from one daemon thread, in arrival order."""
+def engine_and_run(payload: bytes) -> tuple[int, str | None]:
+    """A ready response's engine index and run (``instance_id``), read as the exporter reads them."""
+    import msgspec  # vLLM's own dependency, loaded by vLLM's frontend long before
 
-    def __init__(self, target: Target) -> None:
+    message = msgspec.msgpack.decode(payload)
+    if not isinstance(message, dict):
+        return 0, None
+    rank, run = message.get("data_parallel_rank"), message.get("instance_id")
+    engine = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
+    return engine, run if isinstance(run, str) and run else None
+
+
+class _Update(NamedTuple):
+    """One ready response as the frontend applied it, with the frontend's labels at that moment."""
+
+    deployment: str
+    replica: str
+    config: dict[str, str]
+    engine: int
+    run: str | None
+    payload: bytes
+
+
+@dataclass
+class _Replica:
+    """What one exporter must end up holding of one replica: its newest labels, the newest response per engine.
+
+    Every item carries a version; it is delivered when its version is the one last accepted.
+    """
+
+    deployment: str
+    name: str
+    config: dict[str, str] | None = None
+    config_version: int = 0
+    config_delivered: int = 0
+    run: str | None = None
+    engines: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    engines_delivered: dict[int, int] = field(default_factory=dict)
+    # The exporter took part of this state: heartbeats keep it there, and the goodbye removes it.
+    held: bool = False
+    next_heartbeat: float = math.inf
+
+    def undelivered(self) -> int:
+        config = int(self.config_version != self.config_delivered)
+        return config + sum(
+            self.engines_delivered.get(index) != version for index, (version, _) in self.engines.items()
+        )
+
+    def forget_delivery(self) -> None:
+        """The exporter does not hold this replica: everything goes again."""
+        self.config_delivered = 0
+        self.engines_delivered.clear()
+        self.held = False
+        self.next_heartbeat = math.inf
+
+
+class _Attempt(NamedTuple):
+    replica: _Replica
+    kind: Literal["config", "engine", "heartbeat"]
+    engine: int
+    version: int
+    method: str
+    path: str
+    body: bytes
+    content_type: str | None
+
+
+class _Unreachable(Exception):
+    """The exporter did not take a request, but may later: retried with backoff. The message fits the log."""
+
+
+class _Refused(Exception):
+    """The exporter refused a request for good (a 404, 409, 422, ...); ``field`` names what it refused."""
+
+    def __init__(self, status: int, message: str, field_name: str | None, detail: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field_name = field_name
+        self.detail = detail
+
+
+class Delivery:
+    """Delivers one replica's state to one exporter from its own daemon thread, until delivered or superseded."""
+
+    def __init__(self, url: str, target: Target) -> None:
+        self.url = url
         self._target = target
         self._condition = threading.Condition()
-        # The job being delivered stays at the head until it is done, so ``flush`` waits for it too.
-        self._jobs: deque[_Job] = deque()
+        self._replicas: dict[tuple[str, str], _Replica] = {}
+        self._versions = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._closed = False
-        # Per deployment, the config last sent (accepted or refused): PUT again only when it changed.
-        self._sent_configs: dict[str, dict[str, str]] = {}
-        self._named: set[str] = set()
-        self._refusals: set[tuple[str, str]] = set()
+        self._goodbye = False
+        self._retry_at = 0.0
+        self._delay = FIRST_RETRY_SECONDS
         self._failing = False
+        self._refusals: set[tuple[str, str]] = set()
         self._token: str | None = None
 
-    def submit(self, client: object, payload: bytes) -> None:
-        """Queue ``payload`` with ``client``'s deployment and static config; never blocks, never raises.
-
-        An empty payload (what engines before 0.20 send first) carries nothing to forward.
-        """
-        if not payload:
-            return
-        try:
-            job = _Job(deployment_of(client, self._target.deployment), static_config_of(client), bytes(payload))
-        except Exception as error:
-            self._report(f"cannot read the ready response or vLLM's config: {error!r}")
-            return
-        if job.deployment not in self._named:
-            self._named.add(job.deployment)
-            logger.info(
-                "cache-config-exporter: forwarding the ready responses of deployment %r to %s",
-                job.deployment,
-                self._target.url,
-            )
+    def offer(self, update: _Update) -> None:
+        """Take ``update`` as the newest state of its engine (and labels); never blocks on the exporter."""
         with self._condition:
             if self._closed:
                 return
-            if len(self._jobs) >= MAX_QUEUED:
-                self._report(f"{MAX_QUEUED} ready responses are still waiting; dropping one")
-                return
-            self._jobs.append(job)
+            key = (update.deployment, update.replica)
+            replica = self._replicas.setdefault(key, _Replica(update.deployment, update.replica))
+            if update.config != replica.config:
+                replica.config = update.config
+                replica.config_version = next(self._versions)
+            if update.run is not None and update.run != replica.run:
+                # A new run of this server: the exporter drops the previous run's engines, and so does this.
+                replica.run = update.run
+                replica.engines.clear()
+                replica.engines_delivered.clear()
+            replica.engines[update.engine] = (next(self._versions), update.payload)
             # ``is_alive`` is False in a child forked after the thread started.
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="cache-config-exporter", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=f"cache-config-exporter {self.url}", daemon=True)
                 self._thread.start()
             self._condition.notify_all()
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until every queued payload is delivered or given up; False on timeout."""
+    def backlog(self) -> int:
+        """How many items (labels, ready responses) this exporter has still to take."""
         with self._condition:
-            return self._condition.wait_for(lambda: not self._jobs or self._closed, timeout)
+            return self._backlog()
 
-    def close(self) -> None:
-        """Stop the thread after the request in flight, dropping the rest (for tests and clean shutdowns)."""
+    def flush(self, timeout: float) -> bool:
+        """Wait until this exporter holds everything offered; False on timeout."""
+        with self._condition:
+            return self._condition.wait_for(lambda: self._closed or not self._backlog(), timeout)
+
+    def close(self, goodbye: bool = False) -> threading.Thread | None:
+        """Stop after the request in flight, with ``goodbye`` first removing the replicas the exporter holds."""
         with self._condition:
             self._closed = True
+            self._goodbye = goodbye
             self._condition.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+            return self._thread
+
+    def _backlog(self) -> int:
+        return sum(replica.undelivered() for replica in self._replicas.values())
 
     def _run(self) -> None:
         while True:
             with self._condition:
-                self._condition.wait_for(lambda: self._jobs or self._closed)
-                if self._closed:
-                    return
-                job = self._jobs[0]
-            try:
-                self._deliver(job)
-            except _DeliveryFailed as failure:
-                self._report(str(failure))
-            except Exception as error:
-                self._report(f"unexpected error: {error!r}")
-            else:
-                self._recovered()
-            with self._condition:
-                self._jobs.popleft()
-                self._condition.notify_all()
+                attempt = self._wait_for_attempt()
+            if attempt is None:
+                break
+            self._make(attempt)
+        if self._goodbye:
+            self._say_goodbye()
 
-    def _deliver(self, job: _Job) -> None:
-        """PUT the deployment's static config if it changed, then POST the payload: labels match vLLM's throughout."""
-        headers = self._authorization()
-        deployment = urllib.parse.quote(job.deployment, safe="/")
-        if self._sent_configs.get(job.deployment) != job.config:
-            body = json.dumps(job.config).encode()
-            try:
-                self._send("PUT", f"/api/v1/deployments/{deployment}/cache-config", body, "application/json", headers)
-            except _ConfigRefused as refusal:
-                self._refused(job.deployment, refusal)
-            self._sent_configs[job.deployment] = job.config
-        self._send("POST", f"/api/v1/deployments/{deployment}/ready", job.payload, "application/vnd.msgpack", headers)
+    def _wait_for_attempt(self) -> _Attempt | None:
+        """The next request to make, once it is due; ``None`` when closed."""
+        while not self._closed:
+            due = self._due(time.monotonic())
+            if isinstance(due, _Attempt):
+                return due
+            self._condition.wait(None if due == math.inf else due)
+        return None
 
-    def _refused(self, deployment: str, refusal: _ConfigRefused) -> None:
-        """One warning per refused field and reason: the value is neither dropped silently nor converted."""
-        if (refusal.field_name, refusal.detail) in self._refusals:
-            return
-        self._refusals.add((refusal.field_name, refusal.detail))
-        logger.warning(
-            "cache-config-exporter: the exporter refused the cache config of %r because of field %r: %s. "
-            "Its ready responses are still forwarded, but the exporter does not show this field as vLLM has it.",
-            deployment,
-            refusal.field_name,
-            refusal.detail,
+    def _due(self, now: float) -> _Attempt | float:
+        """The request due now, else the seconds until one is (``inf``: until something is offered).
+
+        Labels go before the ready responses they belong with; heartbeats only when everything is delivered.
+        """
+        if now < self._retry_at:
+            return self._retry_at - now
+        for replica in self._replicas.values():
+            path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
+            query = self._query(replica, "heartbeat")
+            if replica.config_version != replica.config_delivered:
+                body = json.dumps(replica.config).encode()
+                return _Attempt(
+                    replica,
+                    "config",
+                    0,
+                    replica.config_version,
+                    "PUT",
+                    f"{path}/cache-config?{query}",
+                    body,
+                    "application/json",
+                )
+            for index, (version, payload) in replica.engines.items():
+                if replica.engines_delivered.get(index) != version:
+                    return _Attempt(
+                        replica,
+                        "engine",
+                        index,
+                        version,
+                        "POST",
+                        f"{path}/ready?{query}",
+                        payload,
+                        "application/vnd.msgpack",
+                    )
+        replica = min(self._replicas.values(), key=lambda replica: replica.next_heartbeat, default=None)
+        if replica is None or replica.next_heartbeat > now:
+            return math.inf if replica is None else replica.next_heartbeat - now
+        path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
+        return _Attempt(
+            replica, "heartbeat", 0, 0, "POST", f"{path}/heartbeat?{self._query(replica, 'interval')}", b"", None
         )
+
+    def _query(self, replica: _Replica, interval_name: str) -> str:
+        return urllib.parse.urlencode({"replica": replica.name, interval_name: f"{self._target.heartbeat_seconds:g}"})
+
+    def _make(self, attempt: _Attempt) -> None:
+        """Make one request and record what came of it."""
+        try:
+            self._send(attempt.method, attempt.path, attempt.body, attempt.content_type)
+        except _Unreachable as failure:
+            with self._condition:
+                self._retry_at = time.monotonic() + self._delay
+                self._delay = min(2 * self._delay, MAX_RETRY_SECONDS, self._target.heartbeat_seconds)
+            self._report(str(failure))
+            return
+        except _Refused as refusal:
+            if attempt.kind == "heartbeat" and refusal.status == 404:
+                self._not_held(attempt.replica)
+                return
+            if attempt.kind == "config" and refusal.field_name and 400 <= refusal.status < 500:
+                self._refused(attempt.replica, refusal)
+            else:
+                self._report(str(refusal))
+            self._done(attempt, accepted=False)
+            return
+        self._done(attempt, accepted=True)
+        self._recovered()
+
+    def _done(self, attempt: _Attempt, accepted: bool) -> None:
+        """``attempt``'s item is delivered (or refused for good): only a newer version goes again."""
+        replica = attempt.replica
+        with self._condition:
+            if attempt.kind == "config":
+                replica.config_delivered = attempt.version
+            elif attempt.kind == "engine" and attempt.engine in replica.engines:
+                replica.engines_delivered[attempt.engine] = attempt.version
+            replica.held = replica.held or accepted
+            if replica.held:
+                replica.next_heartbeat = time.monotonic() + self._target.heartbeat_seconds
+            self._condition.notify_all()
+
+    def _not_held(self, replica: _Replica) -> None:
+        """A heartbeat the exporter does not know: it is new, restarted or lost its storage; send everything again."""
+        with self._condition:
+            replica.forget_delivery()
+            self._condition.notify_all()
+        logger.info(
+            "cache-config-exporter: %s does not hold replica %r of %r; sending its state again",
+            self.url,
+            replica.name,
+            replica.deployment,
+        )
+        self._recovered()
+
+    def _say_goodbye(self) -> None:
+        """Remove this server's replicas from the exporter: vLLM is shutting down cleanly. One attempt each."""
+        for replica in list(self._replicas.values()):
+            if not replica.held:
+                continue
+            path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
+            query = urllib.parse.urlencode({"replica": replica.name})
+            try:
+                self._send("DELETE", f"{path}?{query}", None, None)
+            except (_Unreachable, _Refused) as failure:
+                logger.debug("cache-config-exporter: goodbye failed: %s", self._redacted(str(failure)))
+
+    def _send(self, method: str, path: str, body: bytes | None, content_type: str | None) -> None:
+        """One request; raises ``_Unreachable`` when trying again may help, ``_Refused`` when it cannot."""
+        url = f"{self.url}{path}"
+        headers = {"User-Agent": _USER_AGENT}
+        if content_type:
+            headers["Content-Type"] = content_type
+        request = urllib.request.Request(url, data=body, method=method, headers=headers)
+        for name, value in self._authorization().items():
+            # Unredirected: a redirect to another host never carries the token.
+            request.add_unredirected_header(name, value)
+        try:
+            with urllib.request.urlopen(request, timeout=self._target.timeout_seconds) as response:
+                response.read()
+        except urllib.error.HTTPError as error:
+            with error:
+                problem = _problem(error)
+            detail = str(problem.get("detail") or "")[:200]
+            message = f"{method} {url}: HTTP {error.code}" + (f": {detail}" if detail else "")
+            if error.code in RETRY_STATUSES:
+                raise _Unreachable(message) from None
+            field_name = problem.get("field")
+            raise _Refused(error.code, message, str(field_name) if field_name else None, detail) from None
+        except (OSError, http.client.HTTPException) as error:
+            raise _Unreachable(f"{method} {url}: {getattr(error, 'reason', None) or error}") from None
 
     def _authorization(self) -> dict[str, str]:
         """The bearer header, from the token file (read afresh, so it may rotate) or the token variable."""
@@ -286,72 +527,123 @@ class Forwarder:
                 with open(self._target.token_file, encoding="utf-8") as file:
                     token = file.read().strip()
             except (OSError, UnicodeDecodeError) as error:
-                raise _DeliveryFailed(f"cannot read {TOKEN_FILE_VARIABLE} {self._target.token_file}: {error}") from None
+                raise _Unreachable(f"cannot read {TOKEN_FILE_VARIABLE} {self._target.token_file}: {error}") from None
         if not token:
             return {}
         self._token = token
         if not _BEARER_TOKEN.fullmatch(token):
-            raise _DeliveryFailed("the token has characters a bearer token cannot have (whitespace or non-ASCII)")
+            raise _Unreachable("the token has characters a bearer token cannot have (whitespace or non-ASCII)")
         return {"Authorization": f"Bearer {token}"}
 
-    def _send(self, method: str, path: str, body: bytes, content_type: str, headers: dict[str, str]) -> None:
-        """One request, retried with backoff while the exporter may recover.
-
-        Raises ``_ConfigRefused`` when a PUT is refused for one field, else ``_DeliveryFailed``.
-        """
-        url = f"{self._target.url}{path}"
-        request = urllib.request.Request(
-            url, data=body, method=method, headers={"Content-Type": content_type, "User-Agent": _USER_AGENT}
+    def _refused(self, replica: _Replica, refusal: _Refused) -> None:
+        """One warning per refused field and reason: the value is neither dropped silently nor converted."""
+        if (refusal.field_name or "", refusal.detail) in self._refusals:
+            return
+        self._refusals.add((refusal.field_name or "", refusal.detail))
+        logger.warning(
+            "cache-config-exporter: %s refused the cache config of %r because of field %r: %s. "
+            "Its ready responses are still forwarded, but the exporter does not show this field as vLLM has it.",
+            self.url,
+            replica.deployment,
+            refusal.field_name,
+            refusal.detail,
         )
-        for name, value in headers.items():
-            # Unredirected: a redirect to another host never carries the token.
-            request.add_unredirected_header(name, value)
-        delays = (*RETRY_DELAYS_SECONDS, None)
-        for delay in delays:
-            try:
-                with urllib.request.urlopen(request, timeout=self._target.timeout_seconds) as response:
-                    response.read()
-                return
-            except urllib.error.HTTPError as error:
-                with error:
-                    problem = _problem(error)
-                detail = problem.get("detail")
-                reason = f"HTTP {error.code}: {str(detail)[:200]}" if detail else f"HTTP {error.code}"
-                if method == "PUT" and 400 <= error.code < 500 and problem.get("field"):
-                    raise _ConfigRefused(str(problem["field"]), str(detail)[:200]) from None
-                if error.code not in RETRY_STATUSES:
-                    raise _DeliveryFailed(f"{method} {url}: {reason}") from None
-            except (OSError, http.client.HTTPException) as error:
-                reason = str(getattr(error, "reason", None) or error)
-            if delay is None or self._stopping(delay):
-                break
-        raise _DeliveryFailed(f"{method} {url}: {reason} (after {len(delays)} attempts)")
 
-    def _stopping(self, delay: float) -> bool:
-        """Back off for ``delay`` seconds; True at once when the forwarder is closed."""
-        with self._condition:
-            return self._condition.wait_for(lambda: self._closed, delay)
+    def _redacted(self, message: str) -> str:
+        return message.replace(self._token, "<token>") if self._token else message
 
     def _report(self, message: str) -> None:
         """One warning per outage: the first failure warns, the next ones are debug until a send succeeds."""
-        if self._token:
-            message = message.replace(self._token, "<token>")
+        message = self._redacted(message)
         with self._condition:
             failing, self._failing = self._failing, True
         if failing:
             logger.debug("cache-config-exporter: %s", message)
             return
         logger.warning(
-            "cache-config-exporter: %s. vLLM is not affected, but the exporter will not show this deployment's "
-            "true cache config; further failures are logged at debug level until a send succeeds.",
+            "cache-config-exporter: %s. vLLM is not affected; the newest state of this vLLM server is kept and "
+            "retried until the exporter takes it; further failures are logged at debug level until a send succeeds.",
             message,
         )
 
     def _recovered(self) -> None:
+        """The exporter answered: back off from scratch; after an outage, check at once that it still holds us."""
         with self._condition:
             failing, self._failing = self._failing, False
+            self._delay = FIRST_RETRY_SECONDS
+            if failing:
+                now = time.monotonic()
+                for replica in self._replicas.values():
+                    if replica.held:
+                        replica.next_heartbeat = min(replica.next_heartbeat, now)
         if failing:
-            logger.info("cache-config-exporter: %s is reachable again", self._target.url)
+            logger.info("cache-config-exporter: %s is reachable again", self.url)
+
+
+class Forwarder:
+    """Hands each applied ready response to one ``Delivery`` per exporter URL."""
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self.replica = replica_of(target.replica)
+        self.deliveries = [Delivery(url, target) for url in target.urls]
+        self._named: set[str] = set()
+        self._goodbye_pid: int | None = None
+
+    def submit(self, client: object, payload: bytes) -> None:
+        """Offer ``payload`` with ``client``'s deployment and labels to every exporter; never blocks, never raises.
+
+        An empty payload (what engines before 0.20 send first) carries nothing to forward.
+        """
+        if not payload:
+            return
+        try:
+            engine, run = engine_and_run(payload)
+            deployment = deployment_of(client, self._target.deployment)
+            update = _Update(deployment, self.replica, static_config_of(client), engine, run, bytes(payload))
+        except Exception as error:
+            logger.warning("cache-config-exporter: cannot read the ready response or vLLM's config: %r", error)
+            return
+        if deployment not in self._named:
+            self._named.add(deployment)
+            logger.info(
+                "cache-config-exporter: forwarding the ready responses of deployment %r as replica %r to %s",
+                deployment,
+                self.replica,
+                ", ".join(self._target.urls),
+            )
+        if self._goodbye_pid is None:
+            self._goodbye_pid = os.getpid()
+            atexit.register(self.goodbye)
+        for delivery in self.deliveries:
+            delivery.offer(update)
+
+    def backlog(self) -> dict[str, int]:
+        """Per exporter URL, how many items it has still to take."""
+        return {delivery.url: delivery.backlog() for delivery in self.deliveries}
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every exporter holds everything offered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        return all(delivery.flush(max(0.0, deadline - time.monotonic())) for delivery in self.deliveries)
+
+    def goodbye(self) -> None:
+        """At vLLM's clean exit: every exporter forgets this replica at once. Waits at most the timeout in all."""
+        if self._goodbye_pid != os.getpid():
+            # A forked child inherits the exit handler, not the server: it must not remove the parent's replica.
+            return
+        threads = [delivery.close(goodbye=True) for delivery in self.deliveries]
+        deadline = time.monotonic() + self._target.timeout_seconds
+        for thread in threads:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop every delivery thread after its request in flight, without goodbye (for tests)."""
+        atexit.unregister(self.goodbye)
+        for thread in [delivery.close() for delivery in self.deliveries]:
+            if thread is not None:
+                thread.join()
 
 
 def _problem(error: urllib.error.HTTPError) -> dict[str, Any]:
@@ -400,4 +692,4 @@ def register() -> None:
     client_class._apply_ready_response = _wrap(original, Forwarder(target))
     # In vLLM's API server this runs before vLLM sets up its log handler, so the line shows in the
     # engine core's and workers' log; the frontend logs the deployment's line with its first payload.
-    logger.info("cache-config-exporter: forwarding ready responses to %s", target.url)
+    logger.info("cache-config-exporter: forwarding ready responses to %s", ", ".join(target.urls))

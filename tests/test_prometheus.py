@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.ecosystem import PrometheusServer, dashboard_queries, get, promtool, push
-from tests.support import ExporterProcess
+from tests.support import MSGPACK, ExporterProcess, fixture_bytes
 
 ENGINE = 'deployment="qwen",engine="0"'
+
+
+def request_ready(exporter: ExporterProcess, deployment: str, replica: str, heartbeat: float) -> tuple[int, bytes]:
+    """Push the hybrid fixture as one replica that promises heartbeats every ``heartbeat`` seconds."""
+    url = f"{exporter.url}/api/v1/deployments/{deployment}/ready?replica={replica}&heartbeat={heartbeat}"
+    call = urllib.request.Request(url, data=fixture_bytes("hybrid-tp1-post50809"), method="POST", headers=MSGPACK)
+    with urllib.request.urlopen(call, timeout=10) as answer:
+        return answer.status, answer.read()
 
 
 @pytest.fixture
@@ -91,9 +100,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     (capacity,) = [query for query in queries if "cache_config_num_gpu_blocks" in query and " * " in query]
     by_deployment = {series["metric"]["deployment"]: series["value"][1] for series in prometheus.query(capacity)}
     assert by_deployment == {"qwen": str(1997 * 1056), "dp2": str(2 * 1997 * 1056)}
-    (engines,) = [query for query in queries if query.startswith("count by (deployment)")]
-    by_deployment = {series["metric"]["deployment"]: series["value"][1] for series in prometheus.query(engines)}
-    assert by_deployment == {"qwen": "1", "dp2": "2"}
+    (engines,) = [query for query in queries if query.startswith("count by (deployment, replica)")]
+    by_replica = {series["metric"]["deployment"]: series["value"][1] for series in prometheus.query(engines)}
+    assert by_replica == {"qwen": "1", "dp2": "2"}
+    (replicas,) = [query for query in queries if query.startswith("count by (deployment)")]
+    by_deployment = {series["metric"]["deployment"]: series["value"][1] for series in prometheus.query(replicas)}
+    assert by_deployment == {"qwen": "1", "dp2": "1"}
 
 
 def test_promtool_check_metrics_passes_on_a_real_scrape(start_exporter: Callable[..., ExporterProcess]) -> None:
@@ -105,3 +117,22 @@ def test_promtool_check_metrics_passes_on_a_real_scrape(start_exporter: Callable
     checked = promtool("check", "metrics", stdin=body)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout + checked.stderr == ""
+
+
+def test_an_expired_replica_goes_stale_in_prometheus(
+    start_exporter: Callable[..., ExporterProcess],
+    start_prometheus: Callable[[ExporterProcess], PrometheusServer],
+) -> None:
+    exporter = start_exporter("--expiry.missed-heartbeats", "2")
+    prometheus = start_prometheus(exporter)
+    prometheus.wait_for('up{job="cache-config-exporter"} == 1')  # scraping before the replica appears
+    status, _ = request_ready(exporter, "qwen", "gpu-1:8000", heartbeat=3)
+    assert status == 200
+    prometheus.wait_for('cache_config_info{deployment="qwen",replica="gpu-1:8000"}')
+    # No heartbeat follows: after two missed intervals the exporter drops the replica, and the
+    # next scrape marks its series stale, so an instant query stops returning them at once.
+    deadline = time.monotonic() + 20
+    while prometheus.query('cache_config_info{deployment="qwen",replica="gpu-1:8000"}'):
+        assert time.monotonic() < deadline, "the expired replica's series never went stale"
+        time.sleep(0.2)
+    prometheus.wait_for("cache_config_exporter_replicas_expired_total == 1")

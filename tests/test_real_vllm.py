@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.vllm_plugin import replica_of
 from tests.support import IN_CI, ExporterProcess, free_port, info_labels, samples, wait_until
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -237,8 +238,10 @@ def test_the_exporter_shows_vllm_own_labels_and_the_true_mamba_block_size(
         assert vllm_labels["block_size"] == true_mamba_block_size != vllm_labels["mamba_block_size"]
     assert (model == "llama") is (true_mamba_block_size == "None")
 
-    # Label by label: vLLM's labels and values (plus ``deployment``), but the true Mamba block size.
-    assert set(shown) == set(vllm_labels) | {"deployment"}
+    # The replica is named after the host and the port of ``vllm serve --port``, as the plugin reads it from vLLM.
+    assert shown["replica"] == replica_of(None, ["--port", server.url.rsplit(":", 1)[1]])
+    # Label by label: vLLM's labels and values (plus ``deployment`` and ``replica``), but the true Mamba block size.
+    assert set(shown) == set(vllm_labels) | {"deployment", "replica"}
     differing = {name: (vllm_labels[name], shown[name]) for name in vllm_labels if shown[name] != vllm_labels[name]}
     if true_mamba_block_size == vllm_labels["mamba_block_size"]:
         assert differing == {}
@@ -255,9 +258,12 @@ def test_the_exporter_shows_vllm_own_labels_and_the_true_mamba_block_size(
         expected["cache_config_mamba_block_size"] = float(true_mamba_block_size)
         expected["cache_config_vllm_mamba_block_size"] = float(vllm_labels["mamba_block_size"])
     assert gauges == expected
-    print(f"{model}: vLLM {json.dumps(vllm_labels, sort_keys=True)}; true mamba_block_size {true_mamba_block_size}")
     if os.environ.get(CAPTURE_VARIABLE):
         capture(Path(os.environ[CAPTURE_VARIABLE]), model, exporter, server.metrics())
+    # vLLM shutting down cleanly says goodbye: the replica is gone at once, not after missed heartbeats.
+    server.stop()
+    assert exporter_series(exporter, model) is None
+    print(f"{model}: vLLM {json.dumps(vllm_labels, sort_keys=True)}; true mamba_block_size {true_mamba_block_size}")
 
 
 def capture(directory: Path, model: str, exporter: ExporterProcess, vllm_metrics: str) -> None:
@@ -265,7 +271,7 @@ def capture(directory: Path, model: str, exporter: ExporterProcess, vllm_metrics
     directory.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(exporter.storage) as db:
         [(payload,)] = db.execute("SELECT response FROM engines WHERE deployment = ?", (model,)).fetchall()
-        [(labels,)] = db.execute("SELECT static_config FROM deployments WHERE name = ?", (model,)).fetchall()
+        [(labels,)] = db.execute("SELECT static_config FROM replicas WHERE deployment = ?", (model,)).fetchall()
     (directory / f"{model}.msgpack").write_bytes(payload)
     (directory / f"{model}.metrics-info.json").write_bytes(labels)
     [line] = [line for line in vllm_metrics.splitlines() if line.startswith("vllm:cache_config_info{")]

@@ -46,7 +46,7 @@ def test_the_table_covers_every_release_from_0_20_in_order() -> None:
 def test_each_release_is_shown_in_its_own_labels(client: TestClient, release: Release) -> None:
     post(client, "d", ready_payload(release))
     [labels] = info_labels(client.get("/metrics").text, "d").values()
-    assert list(labels) == ["deployment", "engine", *(label.name for label in release.cache_config.labels)]
+    assert list(labels) == ["deployment", "replica", "engine", *(label.name for label in release.cache_config.labels)]
     if "block_size" in release.field_names:
         assert labels["block_size"] == "1056"
     else:  # 0.20-0.22 report no block size: the release's default stays

@@ -58,9 +58,9 @@ RESPONSE = decode_ready_response(PAYLOAD)
 
 def test_changes_waiting_together_are_committed_together(gated: tuple[GatedStore, ExporterState]) -> None:
     store, state = gated
-    first = state.apply_ready("d-first", 0, RESPONSE, PAYLOAD, "msgpack")
+    first = state.apply_ready(("d-first", "default"), 0, RESPONSE, PAYLOAD, "msgpack")
     assert store.entered.wait(timeout=10)
-    waiting = [state.apply_ready(f"d{index}", 0, RESPONSE, PAYLOAD, "msgpack") for index in range(50)]
+    waiting = [state.apply_ready((f"d{index}", "default"), 0, RESPONSE, PAYLOAD, "msgpack") for index in range(50)]
     assert not any(future.done() for future in [first, *waiting])
     store.gate.set()
     for future in [first, *waiting]:
@@ -72,19 +72,19 @@ def test_changes_waiting_together_are_committed_together(gated: tuple[GatedStore
 def test_nothing_is_acknowledged_or_shown_when_the_commit_fails(gated: tuple[GatedStore, ExporterState]) -> None:
     store, state = gated
     store.gate.set()
-    state.apply_ready("kept", 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
+    state.apply_ready(("kept", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
     version = state.version
     store.fail = True
-    failed = state.apply_ready("lost", 0, RESPONSE, PAYLOAD, "msgpack")
+    failed = state.apply_ready(("lost", "default"), 0, RESPONSE, PAYLOAD, "msgpack")
     with pytest.raises(StorageUnavailable):
         failed.result(timeout=10)
-    assert set(state.snapshot()) == {"kept"}
+    assert set(state.snapshot()) == {("kept", "default")}
     assert state.version == version
     assert state.storage_error == "disk I/O error"
     store.fail = False
-    state.apply_ready("after", 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
+    state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
     assert state.storage_error is None
-    assert {stored.name for stored in Store(store.path).load()} == {"kept", "after"}
+    assert {stored.deployment for stored in Store(store.path).load()} == {"kept", "after"}
 
 
 def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tuple[GatedStore, ExporterState]) -> None:
@@ -93,4 +93,4 @@ def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tupl
     broken = state._submit(lambda batch: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         broken.result(timeout=10)
-    assert state.apply_ready("after", 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10).name == "after"
+    assert state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10).deployment == "after"
