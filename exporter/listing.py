@@ -73,6 +73,13 @@ class DeploymentListing:
                 self._encoded = _Encoded(version, list(by_key), [part for _, part in by_key.values()])
             return self._encoded
 
+    def replicas_of(self, deployment: str) -> bytes:
+        """The JSON array of one deployment's replicas."""
+        encoded = self._current()
+        start = bisect.bisect_left(encoded.keys, (deployment, ""))
+        end = bisect.bisect_right(encoded.keys, (deployment, _LAST_REPLICA))
+        return b"[" + b",".join(encoded.parts[start:end]) + b"]"
+
     def page(self, after: str | None, limit: int | None) -> tuple[Sequence[bytes], str | None]:
         """The JSON array (as chunks), and the cursor to continue ``after`` when more replicas follow."""
         encoded = self._current()

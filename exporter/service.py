@@ -248,12 +248,16 @@ def create_app(
             with suppress(StorageUnavailable):
                 await asyncio.wrap_future(state.refresh())
 
-    async def replicas_of(request: Request, name: str) -> list[Replica]:
+    async def found(request: Request, key: ReplicaKey) -> Replica:
         await current(request)
-        replicas = state.replicas_of(name)
-        if not replicas:
-            raise _unknown_deployment(name)
-        return replicas
+        replica = state.snapshot().get(key)
+        if replica is None:
+            known = [other.name for other in state.replicas_of(key[0])]
+            if not known:
+                raise _unknown_deployment(key[0])
+            detail = f"no replica {key[1]!r} of {key[0]!r}; its replicas: {', '.join(known)}"
+            raise Problem(404, "Unknown replica", detail, "replica", "not_found")
+        return replica
 
     async def ingest(
         name: str, replica: str, request: Request, engine: int | None, heartbeat: float | None
@@ -345,8 +349,13 @@ def create_app(
         request: Request,
         after: Annotated[str | None, Query(max_length=2 * MAX_DEPLOYMENT_NAME + 1, description=AFTER)] = None,
         limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="Most replicas to return.")] = None,
+        deployment: Annotated[
+            str | None, Query(max_length=MAX_DEPLOYMENT_NAME, description="Only the replicas of this deployment.")
+        ] = None,
     ) -> Response:
         await current(request)
+        if deployment is not None:  # at most --limits.replicas-per-deployment of them, each encoded once per change
+            return ChunkedBody([listing.replicas_of(deployment)], "application/json", {})
         if after is not None and limit is None:
             limit = MAX_PAGE
         if listing.is_fresh(whole=limit is None):
@@ -371,9 +380,9 @@ def create_app(
         return _json_response(view(result))
 
     @app.api_route("/api/v1/deployments/{deployment:name}", methods=["GET", "HEAD"],
-                   summary="The synced state of a deployment's replicas")  # fmt: skip
-    async def get_deployment(deployment: str, request: Request) -> Response:
-        return _json_response([view(replica) for replica in await replicas_of(request, deployment)])
+                   summary="The synced state of one replica of a deployment")  # fmt: skip
+    async def get_deployment(deployment: str, request: Request, replica: ReplicaName = DEFAULT_REPLICA) -> Response:
+        return _json_response(view(await found(request, (deployment, replica))))
 
     @app.delete(
         "/api/v1/deployments/{deployment:name}",

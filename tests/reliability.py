@@ -176,6 +176,12 @@ ENGINE_FAMILIES = (
     "kv_cache_max_concurrency",
     "last_update_timestamp_seconds",
 )
+REPLICA_FAMILIES = (
+    "distinct_values",
+    "data_parallel_size",
+    "last_seen_timestamp_seconds",
+    "heartbeat_interval_seconds",
+)
 
 
 def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tuple[str, tuple, float]]:
@@ -192,10 +198,12 @@ def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tup
                 continue
             suffix = sample.name.removeprefix("cache_config_")
             expected = {
-                "distinct_values": {"deployment", "field"},
-                "data_parallel_size": {"deployment"},
-            }.get(suffix, {"deployment", "engine"})
-            assert suffix in ("info", "distinct_values", "data_parallel_size", *ENGINE_FAMILIES), sample
+                "distinct_values": {"deployment", "replica", "field"},
+                "data_parallel_size": {"deployment", "replica"},
+                "last_seen_timestamp_seconds": {"deployment", "replica"},
+                "heartbeat_interval_seconds": {"deployment", "replica"},
+            }.get(suffix, {"deployment", "replica", "engine"})
+            assert suffix in ("info", *REPLICA_FAMILIES, *ENGINE_FAMILIES), sample
             assert set(sample.labels) >= expected if suffix == "info" else set(sample.labels) == expected, sample
             found.append((sample.name, tuple(sorted(sample.labels.items())), sample.value))
     return sorted(found)
@@ -269,11 +277,15 @@ def integrity(path: Path) -> str:
 
 def rows(db: sqlite3.Connection) -> tuple[list[tuple], list[tuple]]:
     """What the store holds, every column of every row in a fixed order (a logical dump, not the bytes)."""
-    deployments = db.execute("SELECT name, static_config, instance_id FROM deployments ORDER BY name").fetchall()
-    engines = db.execute(
-        "SELECT deployment, engine, response, received_at FROM engines ORDER BY deployment, engine"
+    replicas = db.execute(
+        "SELECT deployment, replica, static_config, instance_id, heartbeat_seconds, last_seen FROM replicas "
+        "ORDER BY deployment, replica"
     ).fetchall()
-    return deployments, engines
+    engines = db.execute(
+        "SELECT deployment, replica, engine, response, wire_format, received_at FROM engines "
+        "ORDER BY deployment, replica, engine"
+    ).fetchall()
+    return replicas, engines
 
 
 # Mounts (root only) ---------------------------------------------------------------------------------------

@@ -117,5 +117,5 @@ def test_engines_disagreeing_on_data_parallel_size_show_the_largest(
         assert reply.status == 200, reply.body[:300]
     exposition = call(exporter.url, "GET", "/metrics").body.decode()
     (parallel,) = samples(exposition, "cache_config_data_parallel_size")
-    assert parallel.labels == {"deployment": "split"} and parallel.value == 4
+    assert parallel.labels == {"deployment": "split", "replica": "default"} and parallel.value == 4
     assert {sample.labels["engine"] for sample in samples(exposition, "cache_config_info")} == {"0", "1"}

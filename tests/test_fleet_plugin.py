@@ -108,11 +108,7 @@ def get(exporter: ExporterProcess, path: str) -> Any:
 
 def fleet_state(exporter: ExporterProcess) -> dict[str, tuple[str, dict[str, str], list[Any]]]:
     """Per replica of the deployment: its run, its static labels and its engines' ready responses."""
-    try:
-        replicas = get(exporter, f"/api/v1/deployments/{DEPLOYMENT}")
-    except urllib.error.HTTPError as error:
-        assert error.code == 404
-        return {}
+    replicas = get(exporter, f"/api/v1/deployments?deployment={DEPLOYMENT}")
     return {
         replica["replica"]: (
             replica["instance_id"],

@@ -23,6 +23,9 @@ PROMETHEUS_ACCEPT = (
 Series = set[tuple[str, tuple[tuple[str, str], ...], float]]
 
 
+QWEN_ENGINE = (("deployment", "qwen"), ("engine", "0"), ("replica", "default"))
+
+
 def cache_config_series(families: Iterable[Metric]) -> Series:
     """The cache_config_* samples (stable between two scrapes, unlike process_* figures)."""
     return {
@@ -70,7 +73,11 @@ def test_without_accept_the_answer_is_prometheus_text(loaded: TestClient) -> Non
     text = body.decode()
     assert "# EOF" not in text
     series = cache_config_series(parse_text(text))
-    assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) in series
+    assert (
+        "cache_config_block_size",
+        QWEN_ENGINE,
+        1056.0,
+    ) in series
     assert ("cache_config_exporter_ready_responses_accepted_total", (), 3.0) in series
 
 
@@ -127,9 +134,21 @@ def test_gzip_follows_state_changes(loaded: TestClient) -> None:
     assert response.status_code == 200
     for _ in range(2):  # a fresh render, then the cached one
         after = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
-        assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 528.0) in after
-        assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) not in after
-    assert ("cache_config_block_size", (("deployment", "qwen"), ("engine", "0")), 1056.0) in before
+        assert (
+            "cache_config_block_size",
+            QWEN_ENGINE,
+            528.0,
+        ) in after
+        assert (
+            "cache_config_block_size",
+            QWEN_ENGINE,
+            1056.0,
+        ) not in after
+    assert (
+        "cache_config_block_size",
+        QWEN_ENGINE,
+        1056.0,
+    ) in before
 
 
 @pytest.mark.parametrize("accept_encoding", ["identity", "gzip;q=0", "deflate, gzip;q=0.0"])

@@ -183,7 +183,7 @@ def test_a_real_vllm_run_is_shown_with_vllms_labels_and_the_true_mamba_block_siz
     [shown] = info_labels(client.get("/metrics").text, model).values()
     [vllm] = samples((REAL_RUN / f"{model}.vllm-cache-config-info.prom").read_text(), "vllm:cache_config_info")
     differing = {name: (value, shown[name]) for name, value in vllm.labels.items() if shown[name] != value}
-    assert set(shown) == set(vllm.labels) | {"deployment"}
+    assert set(shown) == set(vllm.labels) | {"deployment", "replica"}
     if model == "llama":
         assert differing == {}
     else:

@@ -65,11 +65,11 @@ class Checked:
         assert text.status_code == openmetrics.status_code == 200
         series = cache_config_samples(text.text)
         assert cache_config_samples(openmetrics.text, openmetrics=True) == series
-        state = {item["deployment"]: item for item in json.loads(self.state[0])}
+        state = {(item["deployment"], item["replica"]): item for item in json.loads(self.state[0])}
         info = [dict(labels) for name, labels, _ in series if name == "cache_config_info"]
         assert len(info) == sum(len(item["engines"]) for item in state.values())
         for labels in info:
-            shown = state[labels.pop("deployment")]
+            shown = state[labels.pop("deployment"), labels.pop("replica")]
             assert int(labels.pop("engine")) in {engine["engine"] for engine in shown["engines"]}
             assert labels == shown["labels"]
         return text.content.partition(SELF_METRICS)[0]

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from exporter.service import create_app
 from exporter.settings import Settings
 from exporter.state import ExporterState, StorageUnavailable
-from exporter.storage import Store, StoredEngine
+from exporter.storage import Store, StoredEngine, StoredReplica
 from protocol import decode_ready_response
 from tests.reliability import (
     MSGPACK_TYPE,
@@ -338,13 +338,13 @@ class FullDisk(Store):
         if self.full:
             raise sqlite3.OperationalError("database or disk is full")
 
-    def save_deployment(self, name: str, static_config: bytes, instance_id: str | None) -> None:
+    def save_replica(self, stored: StoredReplica) -> None:
         self._refuse()
-        super().save_deployment(name, static_config, instance_id)
+        super().save_replica(stored)
 
-    def save_engine(self, deployment: str, engine: int, stored: StoredEngine) -> None:
+    def save_engine(self, deployment: str, replica: str, engine: int, stored: StoredEngine) -> None:
         self._refuse()
-        super().save_engine(deployment, engine, stored)
+        super().save_engine(deployment, replica, engine, stored)
 
     def probe(self) -> None:
         self._refuse()
@@ -361,13 +361,13 @@ def test_reads_between_failed_writes_do_not_report_the_store_healthy(tmp_path: P
     try:
         store.full = True
         with pytest.raises(StorageUnavailable):
-            state.apply_ready("refused", 0, response, payload, "msgpack").result(timeout=10)
+            state.apply_ready(("refused", "default"), 0, response, payload, "msgpack").result(timeout=10)
         for _ in range(3):
             state.refresh().result(timeout=10)
             assert state.storage_error == "database or disk is full"
         store.full = False
         wait_until(lambda: state.storage_error is None, timeout=10)
-        assert state.apply_ready("accepted", 0, response, payload, "msgpack").result(timeout=10)
+        assert state.apply_ready(("accepted", "default"), 0, response, payload, "msgpack").result(timeout=10)
     finally:
         state.close()
         store.close()

@@ -54,7 +54,7 @@ def test_json_body_is_accepted_too(client: TestClient) -> None:
 
 def test_default_deployment_route(client: TestClient) -> None:
     assert client.post("/api/v1/ready", content=fixture_bytes("dense-post50809"), headers=MSGPACK).status_code == 200
-    assert client.get("/api/v1/deployments/default").json()[0]["labels"]["num_gpu_blocks"] == "27450"
+    assert client.get("/api/v1/deployments/default").json()["labels"]["num_gpu_blocks"] == "27450"
 
 
 def test_numeric_gauges_are_each_engines_own_figures(client: TestClient) -> None:
@@ -109,7 +109,7 @@ def test_restart_with_new_instance_id_drops_the_previous_runs_engines(client: Te
 def test_resending_a_response_does_not_double_count(client: TestClient) -> None:
     for _ in range(3):
         post(client, "dp2-rank0")
-    assert client.get("/api/v1/deployments/qwen").json()[0]["labels"]["num_gpu_blocks"] == "1997"
+    assert client.get("/api/v1/deployments/qwen").json()["labels"]["num_gpu_blocks"] == "1997"
 
 
 def test_metric_prefix_gives_vllms_names(make_client: Callable[..., TestClient]) -> None:
@@ -138,7 +138,7 @@ def test_cache_config_file_is_the_base_of_every_deployment(
 
 def test_deployment_names_may_hold_a_served_model_path(client: TestClient) -> None:
     assert post(client, "hybrid-tp1-post50809", deployment="Qwen/Qwen3.6-35B-A3B").status_code == 200
-    assert client.get("/api/v1/deployments/Qwen/Qwen3.6-35B-A3B").json()[0]["deployment"] == "Qwen/Qwen3.6-35B-A3B"
+    assert client.get("/api/v1/deployments/Qwen/Qwen3.6-35B-A3B").json()["deployment"] == "Qwen/Qwen3.6-35B-A3B"
     assert set(info_labels(scrape(client), "Qwen/Qwen3.6-35B-A3B")) == {"0"}
 
 

@@ -93,4 +93,7 @@ def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tupl
     broken = state._submit(lambda batch: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         broken.result(timeout=10)
-    assert state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10).deployment == "after"
+    assert (
+        state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10).deployment
+        == "after"
+    )

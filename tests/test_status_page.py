@@ -58,15 +58,15 @@ def test_the_status_page_shows_true_block_sizes_disagreements_and_links(
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
     text = page.inner_text("body")
-    assert "2 deployment(s), 3 engine(s)." in text
+    assert "2 deployment(s), 2 replica(s), 3 engine(s)." in text
     disagreements = page.inner_text("#disagreements")
-    assert "dp2: block_size differs (engine 0: 1056, engine 1: 528)" in disagreements
+    assert "dp2 · default: block_size differs (engine 0: 1056, engine 1: 528)" in disagreements
     assert "the lowest engine index's 1056 is published" in disagreements
     qwen = page.locator("section.deployment", has_text="Qwen/Qwen3.6-35B-A3B")
     assert "block_size 1056, mamba_block_size 1056" in qwen.inner_text()
     assert "reporting: 1 of 1" in qwen.inner_text()
     assert qwen.locator("td").nth(1).inner_text() == "1056"
-    assert "UTC" in qwen.locator("time").inner_text()
+    assert "UTC" in qwen.locator("td time").inner_text()
     # The disagreeing engine's cells stand out (bold on red) for the reader.
     flagged = page.locator("section.deployment", has_text="dp2").locator("td.differs")
     assert flagged.all_inner_texts() == ["528", "528"]
@@ -77,7 +77,7 @@ def test_the_status_page_shows_true_block_sizes_disagreements_and_links(
     page.go_back()
     page.get_by_role("link", name="Metrics").click()
     metrics = page.inner_text("body")
-    assert 'cache_config_block_size{deployment="Qwen/Qwen3.6-35B-A3B",engine="0"} 1056.0' in metrics
+    assert 'cache_config_block_size{deployment="Qwen/Qwen3.6-35B-A3B",replica="default",engine="0"} 1056.0' in metrics
     assert all(url.startswith(exporter.url) for url in requested), f"requests off the exporter: {requested}"
 
 

@@ -595,7 +595,7 @@ def test_memory_stays_bounded_while_the_exporter_is_away_and_the_newest_run_arri
     try:
         exporter.start()
         assert forwarder().flush(10)
-        with urllib.request.urlopen(f"{exporter.url}/api/v1/deployments/org/hybrid", timeout=10) as response:
+        with urllib.request.urlopen(f"{exporter.url}/api/v1/deployments?deployment=org/hybrid", timeout=10) as response:
             (replica,) = json.loads(response.read())
     finally:
         exporter.stop()
