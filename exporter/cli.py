@@ -134,8 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         "auto",
         choices=PUSH_FORMATS,
     )
-    _add(push, "--url", "base URL of the exporter", f"http://127.0.0.1:{DEFAULT_PORT}")
+    _add(
+        push,
+        "--url",
+        "base URL of the exporter, or several separated by commas or spaces (each gets the response)",
+        f"http://127.0.0.1:{DEFAULT_PORT}",
+    )
     _add(push, "--deployment", "deployment the engine belongs to", "default")
+    _add(push, "--replica", "the vLLM server of the deployment the engine belongs to", "default")
     _add(push, "--engine", "engine index, for payloads without data_parallel_rank", type=int)
     _add(push, "--token-file", "file with the exporter's ingest bearer token")
     _add(
@@ -251,25 +257,38 @@ def push(args: argparse.Namespace) -> int:
     except SettingsError as error:
         print(f"cache-config-exporter push: {error}", file=sys.stderr)
         return 2
+    urls = args.url.replace(",", " ").split()
+    failed = 0
+    for url in urls:
+        failed += _push_one(args, url.rstrip("/"), body, headers, named=len(urls) > 1)
+    return 1 if failed else 0
+
+
+def _push_one(args: argparse.Namespace, url: str, body: bytes, headers: dict[str, str], named: bool) -> int:
+    """Send the response to one exporter and print what it shows; 1 when it failed."""
+    prefix = f"{url}: " if named else ""
+    query = urllib.parse.urlencode(
+        {"replica": args.replica, **({"engine": args.engine} if args.engine is not None else {})}
+    )
     deployment = urllib.parse.quote(args.deployment, safe="/")
-    url = f"{args.url.rstrip('/')}/api/v1/deployments/{deployment}/ready"
-    if args.engine is not None:
-        url += f"?engine={args.engine}"
-    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    request = urllib.request.Request(
+        f"{url}/api/v1/deployments/{deployment}/ready?{query}", data=body, method="POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             state = json.load(response)
     except urllib.error.HTTPError as error:
         detail = error.read().decode("utf-8", "replace")
-        print(f"cache-config-exporter push: HTTP {error.code}: {detail}", file=sys.stderr)
+        print(f"cache-config-exporter push: {prefix}HTTP {error.code}: {detail}", file=sys.stderr)
         return 1
-    except (urllib.error.URLError, TimeoutError) as error:
-        print(f"cache-config-exporter push: cannot reach {args.url}: {error}", file=sys.stderr)
+    except (urllib.error.URLError, TimeoutError, ValueError) as error:
+        print(f"cache-config-exporter push: cannot reach {url}: {error}", file=sys.stderr)
         return 1
     labels = state["labels"]
     print(
-        f"deployment {state['deployment']}: {len(state['engines'])} engine(s), block_size={labels['block_size']} "
-        f"mamba_block_size={labels['mamba_block_size']} num_gpu_blocks={labels['num_gpu_blocks']}"
+        f"{prefix}deployment {state['deployment']}: {len(state['engines'])} engine(s), "
+        f"block_size={labels['block_size']} mamba_block_size={labels['mamba_block_size']} "
+        f"num_gpu_blocks={labels['num_gpu_blocks']}"
     )
     return 0
 

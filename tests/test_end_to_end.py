@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -94,6 +95,21 @@ def test_cli_push_sends_msgpack_and_json_files(start_exporter: Callable[..., Exp
     old = run_cli("push", str(FIXTURES / "minimal-pre42967.msgpack"), "--url", exporter.url, "--engine", "4")
     assert old.returncode == 0, old.stderr
     assert set(info_labels(scrape(exporter), "default")) == {"4"}
+
+
+def test_cli_push_names_the_replica_and_reaches_every_exporter_of_a_list(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    """``CACHE_CONFIG_EXPORTER_URL`` may list an HA pair, as for the plugin: push sends to each."""
+    pair = [start_exporter(storage=tmp_path / f"{name}.db") for name in ("a", "b")]
+    urls = f"{pair[0].url}, {pair[1].url}"
+    env = {**os.environ, "CACHE_CONFIG_EXPORTER_URL": urls, "CACHE_CONFIG_EXPORTER_REPLICA": "gpu-3:8000"}
+    pushed = run_cli("push", str(FIXTURES / "hybrid-tp1-post50809.msgpack"), "--deployment", "qwen", env=env)
+    assert pushed.returncode == 0, pushed.stderr
+    assert [line.split(": deployment")[0] for line in pushed.stdout.splitlines()] == [pair[0].url, pair[1].url]
+    for exporter in pair:
+        [sample] = samples(scrape(exporter), "cache_config_block_size")
+        assert sample.labels == {"deployment": "qwen", "replica": "gpu-3:8000", "engine": "0"}
 
 
 def test_cli_push_reports_refusals_and_unreachable_exporters(
