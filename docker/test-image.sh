@@ -234,8 +234,8 @@ expect_hybrid_state() {
   grep -E '^cache_config_info\{.*\} 1\.0$' "$WORK/scrape.txt" | grep -E "[{,]deployment=\"$2\"[,}]" |
     grep -E '[{,]block_size="1056"[,}]' | grep -qE '[{,]mamba_block_size="1056"[,}]' ||
     fail "$1: the scrape has no cache_config_info with block_size=\"1056\" mamba_block_size=\"1056\""
-  expect_metric "cache_config_block_size{deployment=\"$2\",engine=\"0\"} 1056.0"
-  expect_metric "cache_config_num_gpu_blocks{deployment=\"$2\",engine=\"0\"} 1997.0"
+  expect_metric "cache_config_block_size{deployment=\"$2\",replica=\"default\",engine=\"0\"} 1056.0"
+  expect_metric "cache_config_num_gpu_blocks{deployment=\"$2\",replica=\"default\",engine=\"0\"} 1997.0"
   log "$1: block_size=\"1056\" mamba_block_size=\"1056\" num_gpu_blocks 1997"
 }
 

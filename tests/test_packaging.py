@@ -100,7 +100,8 @@ def test_the_installed_wheel_serves_pushes_and_loads_as_a_vllm_plugin(installed:
     )  # fmt: skip
     assert "block_size=1056" in pushed
     with urllib.request.urlopen(f"{served}/metrics", timeout=10) as response:
-        assert 'cache_config_block_size{deployment="qwen",engine="0"} 1056.0' in response.read().decode()
+        scraped = response.read().decode()
+    assert 'cache_config_block_size{deployment="qwen",replica="default",engine="0"} 1056.0' in scraped
     # What vLLM does to find general plugins, in the installed environment.
     plugin = run(
         installed / "python", "-c",

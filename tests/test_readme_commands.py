@@ -172,7 +172,7 @@ def test_pushing_with_the_client_and_curl(tmp_path: Path) -> None:
     output = run_isolated(tmp_path, script)
     assert output.count("engine(s), block_size=1056 ") == 2, output
     assert '"block_size":"1056"' in output, "curl's answer: the synced state"
-    assert 'cache_config_block_size{deployment="qwen-json",engine="0"} 1056.0' in output
+    assert 'cache_config_block_size{deployment="qwen-json",replica="default",engine="0"} 1056.0' in output
 
 
 def test_the_web_config_example_serves_https_with_basic_auth(tmp_path: Path) -> None:
@@ -344,5 +344,6 @@ def test_the_offline_docker_route_and_compose_as_written(
     health_times = [int(seconds) for seconds in re.findall(r"^healthy: (\d+) s$", done.stdout, flags=re.MULTILINE)]
     assert len(health_times) == 2 and max(health_times) <= 15, f"new containers healthy after {health_times} s"
     record(record_property, "docker_healthy_after_start", seconds=health_times)
-    assert 'cache_config_block_size{deployment="qwen",engine="0"} 1056.0' in done.stdout, "the volume kept the push"
+    kept = 'cache_config_block_size{deployment="qwen",replica="default",engine="0"} 1056.0'
+    assert kept in done.stdout, "the volume kept the push"
     assert "deployment qwen3-hybrid: 1 engine(s), block_size=1056" in done.stdout
