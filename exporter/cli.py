@@ -212,8 +212,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
         return 2
     host, port = split_listen_address(settings.listen_address)
+    # Not "listening" yet: uvicorn logs "Uvicorn running on ..." once the socket is bound, and each worker
+    # "Application startup complete" once it accepts; /-/ready answers 200 from then on.
     logging.getLogger("cache_config_exporter").info(
-        "listening on %s (%d worker(s)), storage %s", settings.listen_address, settings.workers, settings.storage_path
+        "starting %d worker(s) on %s, storage %s", settings.workers, settings.listen_address, settings.storage_path
     )
     protocol = functools.partial(
         GuardedHttpToolsProtocol,

@@ -105,7 +105,7 @@ def test_a_non_loopback_address_without_a_token_is_refused_before_listening(addr
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "--web.ingest-token-file" in result.stderr and "--web.allow-unauthenticated-ingest" in result.stderr
-    assert "Uvicorn running" not in result.stderr + result.stdout and "listening on" not in result.stderr
+    assert "Uvicorn running" not in result.stderr + result.stdout and "worker(s) on" not in result.stderr
     assert not (tmp_path / "x.db").exists(), "it opened its storage before refusing"
     with socket.socket() as probe:  # nothing took the port
         probe.bind(("127.0.0.1", port))
