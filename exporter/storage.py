@@ -19,7 +19,7 @@ from pathlib import Path
 
 # "CCEX": marks a file as ours, so a foreign SQLite file is never written to.
 APPLICATION_ID = 0x43434558
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # How long a write waits for another process's transaction before it counts as a storage fault.
 LOCK_TIMEOUT_SECONDS = 1.0
 
@@ -45,19 +45,21 @@ _SCHEMA = (
     )""",
     "CREATE TABLE IF NOT EXISTS probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL)",
 )
-# From each older schema version to the current one. Version 1 had one replica per deployment and
-# stored re-encoded msgpack; its rows become the replica "default", seen when last received.
+# From each older schema version to the next. Version 1 kept re-encoded msgpack only; version 2 kept
+# the bytes received with their wire format, one replica per deployment; 3 has replicas, and version 2's
+# rows become the replica "default", seen when last received.
 _MIGRATIONS = {
-    1: (
-        "ALTER TABLE engines RENAME TO engines_v1",
-        "ALTER TABLE deployments RENAME TO deployments_v1",
+    1: ("ALTER TABLE engines ADD COLUMN wire_format TEXT NOT NULL DEFAULT 'msgpack'",),
+    2: (
+        "ALTER TABLE engines RENAME TO engines_v2",
+        "ALTER TABLE deployments RENAME TO deployments_v2",
         *_SCHEMA[:2],
         "INSERT INTO replicas SELECT name, 'default', static_config, instance_id, NULL, "
-        "COALESCE((SELECT max(received_at) FROM engines_v1 WHERE deployment = name), 0) FROM deployments_v1",
-        "INSERT INTO engines SELECT deployment, 'default', engine, response, received_at, 'msgpack' FROM engines_v1",
-        "DROP TABLE engines_v1",
-        "DROP TABLE deployments_v1",
-    )
+        "COALESCE((SELECT max(received_at) FROM engines_v2 WHERE deployment = name), 0) FROM deployments_v2",
+        "INSERT INTO engines SELECT deployment, 'default', engine, response, received_at, wire_format FROM engines_v2",
+        "DROP TABLE engines_v2",
+        "DROP TABLE deployments_v2",
+    ),
 }
 
 

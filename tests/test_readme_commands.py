@@ -78,9 +78,11 @@ def clone(destination: Path) -> Path:
     return destination
 
 
-def environment(path_first: Path) -> dict[str, str]:
-    """The environment of an activated venv: its bin directory first on PATH."""
-    return {**os.environ, "PATH": f"{path_first}:{os.environ['PATH']}", "VIRTUAL_ENV": str(path_first.parent)}
+def environment(path_first: Path, state_home: Path | None = None) -> dict[str, str]:
+    """The environment of an activated venv: its bin directory first on PATH; with ``state_home``, the
+    exporter's default storage (``$XDG_STATE_HOME/cache-config-exporter/exporter.db``) lies in it."""
+    state = {"XDG_STATE_HOME": str(state_home)} if state_home is not None else {}
+    return {**os.environ, "PATH": f"{path_first}:{os.environ['PATH']}", "VIRTUAL_ENV": str(path_first.parent), **state}
 
 
 def run_isolated(tmp_path: Path, script: str, timeout: float = 300, own_network: bool = True) -> str:
@@ -112,7 +114,8 @@ def run_isolated(tmp_path: Path, script: str, timeout: float = 300, own_network:
     namespaces = ["--net"] if own_network else []
     done = subprocess.run(
         ["unshare", "--mount", *namespaces, "--propagation", "private", "bash", "-c", f"{setup}\n{script}"],
-        cwd=work, env=environment(Path(sys.executable).parent), capture_output=True, text=True, timeout=timeout,
+        cwd=work, env=environment(Path(sys.executable).parent, tmp_path / "state"), capture_output=True, text=True,
+        timeout=timeout,
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"

@@ -80,31 +80,39 @@ def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path: Path) -> N
     assert _digest(junk) == digest
 
 
-def test_a_file_of_the_previous_schema_is_migrated_and_keeps_its_data(
-    make_client: Callable[..., TestClient], tmp_path: Path
+# The tables of schema versions 1 and 2: one replica per deployment.
+_OLD_TABLES = """
+    CREATE TABLE deployments (name TEXT PRIMARY KEY, static_config BLOB NOT NULL, instance_id TEXT);
+    CREATE TABLE engines (
+        deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
+        engine INTEGER NOT NULL, response BLOB NOT NULL, received_at REAL NOT NULL, {wire_format}
+        PRIMARY KEY (deployment, engine));
+    CREATE TABLE probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL);
+    PRAGMA application_id = 1128482136;
+"""
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_file_of_an_older_schema_is_migrated_and_keeps_its_data(
+    make_client: Callable[..., TestClient], tmp_path: Path, version: int
 ) -> None:
-    """Version 1 kept re-encoded msgpack and typed static values; both still load, as the labels vLLM renders."""
+    """Version 1 kept re-encoded msgpack and typed static values, version 2 the bytes and their format, both one
+    replica per deployment: they load as the replica ``default``, labels rendered as vLLM renders them."""
     path = tmp_path / "exporter.db"
+    wire_format = "wire_format TEXT NOT NULL DEFAULT 'msgpack'," if version == 2 else ""
     with sqlite3.connect(path) as db:
-        db.executescript(
-            """
-            CREATE TABLE deployments (name TEXT PRIMARY KEY, static_config BLOB NOT NULL, instance_id TEXT);
-            CREATE TABLE engines (
-                deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
-                engine INTEGER NOT NULL, response BLOB NOT NULL, received_at REAL NOT NULL,
-                PRIMARY KEY (deployment, engine));
-            CREATE TABLE probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL);
-            PRAGMA application_id = 1128482136;
-            PRAGMA user_version = 1;
-            """
-        )
+        db.executescript(_OLD_TABLES.format(wire_format=wire_format) + f"PRAGMA user_version = {version};")
         static = msgspec.json.encode({"mamba_cache_mode": "align", "enable_prefix_caching": True})
         db.execute("INSERT INTO deployments VALUES ('old', ?, NULL)", (static,))
-        db.execute("INSERT INTO engines VALUES ('old', 0, ?, 1.5)", (fixture_bytes("hybrid-tp1-post50809"),))
+        db.execute(
+            "INSERT INTO engines (deployment, engine, response, received_at) VALUES ('old', 0, ?, 1.5)",
+            (fixture_bytes("hybrid-tp1-post50809"),),
+        )
     client = make_client()
     [shown] = client.get("/api/v1/deployments").json()
+    assert (shown["deployment"], shown["replica"], shown["last_seen"]) == ("old", "default", 1.5)
     assert shown["static_labels"] == {"mamba_cache_mode": "align", "enable_prefix_caching": "True"}
     assert shown["engines"][0]["wire_format"] == "msgpack"
     assert (shown["labels"]["block_size"], shown["labels"]["mamba_block_size"]) == ("1056", "1056")
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
