@@ -129,12 +129,16 @@ def raw_socket(url: str, timeout: float = 5.0) -> socket.socket:
 
 
 def read_until_closed(connection: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (or the socket's timeout passes)."""
+    """Everything the server sends until it closes the connection (or the socket's timeout passes).
+
+    A server that closes while the client's last bytes are still unread closes with a reset: that ends the
+    stream too (what arrived before it was already received).
+    """
     received = b""
     try:
         while chunk := connection.recv(65536):
             received += chunk
-    except TimeoutError:
+    except (TimeoutError, ConnectionResetError):
         pass
     return received
 
