@@ -118,17 +118,25 @@ class CacheConfigCollector:
         )
         self._rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
 
+    def lines(self, replica: Replica) -> tuple[bytes, ...]:
+        """One replica's lines, rendered once per change of it: the byte budget measures what scrapes then join.
+
+        Called from the writer thread (the budget) and from the scrape's thread; a render lost to a race is
+        only done again.
+        """
+        cached = self._rendered.get(replica.key)
+        if cached is not None and cached[0] is replica:
+            return cached[1]
+        lines = render_replica(replica, self._prefix)
+        self._rendered[replica.key] = (replica, lines)
+        return lines
+
     def collect(self, replicas: Mapping[ReplicaKey, Replica]) -> bytes:
         """The exposition of all ``replicas``; only called from one thread at a time."""
-        rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
-        for key in sorted(replicas):
-            replica = replicas[key]
-            cached = self._rendered.get(key)
-            rendered[key] = (
-                cached if cached and cached[0] is replica else (replica, render_replica(replica, self._prefix))
-            )
-        self._rendered = rendered
-        parts = [entry[1] for entry in rendered.values()]
+        parts = [self.lines(replicas[key]) for key in sorted(replicas)]
+        # Forget replicas that are gone.
+        for key in [key for key in list(self._rendered) if key not in replicas]:
+            self._rendered.pop(key, None)
         return b"".join(
             self._headers[index] + b"".join(part[index] for part in parts) for index in range(len(FAMILIES))
         )

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from exporter import __version__
-from exporter.collector import CacheConfigCollector, render_replica
+from exporter.collector import CacheConfigCollector
 from exporter.exposition import Exposition, accepts_gzip
 from exporter.limits import RequestGuard
 from exporter.listing import DeploymentListing
@@ -194,16 +194,18 @@ def create_app(
         settings.max_bytes,
     )
 
+    collector = CacheConfigCollector(settings.metric_prefix)
+
     def measure(replica: Replica) -> int:
         """What ``--limits.bytes`` bounds: a replica's bytes in the exposition, and of its ready responses as
         received (what the store and the JSON state hold of it)."""
-        exposition = sum(len(family) for family in render_replica(replica, settings.metric_prefix))
+        exposition = sum(len(family) for family in collector.lines(replica))
         return exposition + sum(len(report.payload) for report in replica.engines.values())
 
     state = ExporterState(store, settings.base_labels(), clock, limits, settings.missed_heartbeats, measure)
     metrics = ExporterMetrics(registry, lambda: state.storage_error is None, lambda: state.expired_total)
     registry.register(credentials)  # the reload state of the access files
-    exposition = Exposition(state, CacheConfigCollector(settings.metric_prefix), metrics)
+    exposition = Exposition(state, collector, metrics)
     listing = DeploymentListing(state, lambda deployment: _json.encode(view(deployment)))
     # Several worker processes share the file: load what the others committed before answering a read.
     shared_store = settings.workers > 1

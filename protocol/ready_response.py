@@ -96,9 +96,13 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
     config_hash: Text | UnsetType | None = UNSET
     enable_expert_parallel: bool | UnsetType = UNSET
 
+    def sent(self, name: str) -> bool:
+        """True when the engine put this field on the wire (``None`` included)."""
+        return getattr(self, name) is not UNSET
+
     def sent_keys(self) -> frozenset[str]:
         """The fields the engine put on the wire (known ones; unknown keys are not decoded)."""
-        return frozenset(name for name in self.__struct_fields__ if getattr(self, name) is not UNSET)
+        return frozenset(name for name in self.__struct_fields__ if self.sent(name))
 
     def reported(self, name: str) -> Any:
         """A field's value, ``None`` when the engine did not send it or sent ``None``."""

@@ -94,7 +94,7 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
     labels.update(static)
 
     def sent(name: str) -> list[object]:
-        return [r.reported(name) for r in ordered if name in r.sent_keys()]
+        return [r.reported(name) for r in ordered if r.sent(name)]
 
     block_sizes = [size for size in sent("block_size") if size is not None]
     if block_sizes:
@@ -123,15 +123,14 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
     )  # fmt: skip
 
     figures: dict[int, EngineFigures] = {}
-    for index in sorted(engines):
-        response = engines[index]
+    for index, response in zip(sorted(engines), ordered, strict=True):
         own_block = response.reported("block_size")
         true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
         figures[index] = EngineFigures(
             block_size=own_block if own_block is not None else parse_int(labels.get("block_size")),
             mamba_block_size=true_mamba,
             vllm_mamba_block_size=(
-                response.reported("mamba_block_size") if "mamba_block_size" in response.sent_keys() else configured
+                response.reported("mamba_block_size") if response.sent("mamba_block_size") else configured
             ),
             num_gpu_blocks=response.num_gpu_blocks,
             max_model_len=response.max_model_len,
