@@ -189,7 +189,7 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from exporter.limits import GuardedHttpToolsProtocol
+    from exporter.request_guard import GuardedHttpToolsProtocol
     from exporter.security import Credentials, ReloadingTls, watched_tls
     from exporter.service import create_app
 

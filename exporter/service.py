@@ -30,7 +30,8 @@ from starlette.types import Receive, Scope, Send
 from exporter import __version__
 from exporter.collector import CacheConfigCollector
 from exporter.exposition import Exposition, accepts_gzip
-from exporter.limits import RequestGuard
+from exporter.request_guard import RequestGuard
+from exporter.limits import Limits
 from exporter.listing import DeploymentListing
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
 from exporter.security import Credentials, ResponseHeaders
@@ -39,7 +40,6 @@ from exporter.state import (
     DEFAULT_REPLICA,
     ExporterState,
     LimitExceeded,
-    Limits,
     Replica,
     ReplicaKey,
     StorageUnavailable,

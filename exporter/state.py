@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 import msgspec
 
+from exporter.limits import Limits
 from exporter.storage import StorageError, Store, StoredEngine, StoredReplica
 from protocol import (
     EngineCoreReadyResponse,
@@ -160,17 +161,6 @@ def _promised(current: Replica | None, heartbeat_seconds: float | None) -> float
     if heartbeat_seconds is not None or current is None:
         return heartbeat_seconds
     return current.heartbeat_seconds
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Cardinality caps: a change past them is refused and existing series stay."""
-
-    deployments: int = 10_000
-    replicas_per_deployment: int = 1_024
-    engines_per_replica: int = 1_024
-    # Bytes of exposition and JSON state all replicas may take (as ``ExporterState``'s ``measure`` counts them).
-    bytes: int | None = None
 
 
 @dataclass
