@@ -30,10 +30,10 @@ from starlette.types import Receive, Scope, Send
 from exporter import __version__
 from exporter.collector import CacheConfigCollector
 from exporter.exposition import Exposition, accepts_gzip
-from exporter.request_guard import RequestGuard
 from exporter.limits import Limits
 from exporter.listing import DeploymentListing
 from exporter.problems import Problem, handle_http_exception, handle_problem, handle_validation_error
+from exporter.request_guard import RequestGuard
 from exporter.security import Credentials, ResponseHeaders
 from exporter.settings import Settings
 from exporter.state import (
