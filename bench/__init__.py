@@ -1,1 +1,2 @@
-"""The benchmark harness of issue 4: the exporter against Pushgateway, prometheus_client and a bare floor server."""
+"""The benchmark harness: the exporter against Pushgateway, prometheus_client and a bare floor server, with the
+performance targets the exporter holds itself to (docs/PERFORMANCE.md)."""

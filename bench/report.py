@@ -1,4 +1,5 @@
-"""The run's JSON as markdown tables: raw figures, ratios against each peer and the floor, and issue 4's targets."""
+"""The run's JSON as markdown tables: raw figures, ratios against each peer and the floor, and the performance
+targets (scrape, ingest, memory, read-your-writes) with their verdicts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ DISTURBED = 0.10
 
 @dataclass(frozen=True)
 class Target:
-    """One of issue 4's targets: a measured ratio or figure against its limit."""
+    """A performance target: a measured ratio or figure against its limit."""
 
     name: str
     value: float | None
@@ -75,7 +76,7 @@ def _disturbance(run: dict[str, Any]) -> float:
 
 
 def targets(results: dict[str, Any]) -> list[Target]:
-    """Issue 4's targets, evaluated on one run ("n/a" where the run did not measure that N)."""
+    """The performance targets, evaluated on one run ("n/a" where the run did not measure that N)."""
     text_p50 = ("scrape", "exporter_text", "p50_ms")
     found = [
         _compare(results, "scrape p50 at 1000 <= 0.1 x Pushgateway", 0.1, True,
@@ -279,4 +280,4 @@ def render(results: dict[str, Any]) -> str:
         ],
     )
     sections = [*_scrape_tables(results), "", *_ingest_tables(results), "", *_other_tables(results), ""]
-    return "\n".join([*header, "### Targets (issue 4)", verdicts, "", *sections])
+    return "\n".join([*header, "### Performance targets", verdicts, "", *sections])

@@ -1,39 +1,63 @@
-"""What ``/metrics`` sends: content negotiation, and the cache that makes a scrape cost little.
+"""What ``/metrics`` sends, in every format it advertises, and the caches that make a scrape cost little.
 
-Two formats are rendered, and negotiated here alone: Prometheus text 0.0.4 and
-OpenMetrics 1.0.0. Any other ``Accept`` (other versions, broken parameters)
-gets text 0.0.4, never an error and never a body labelled with a version it
-is not.
+Two formats, negotiated here alone: Prometheus text 0.0.4 and OpenMetrics
+1.0.0. Any other ``Accept`` (other versions, broken parameters) gets text
+0.0.4, never an error and never a body labelled with a version it is not.
 
-The cache-config families (nearly all the bytes) are rendered, and for gzip
-compressed, once per state change; a scrape adds only the exporter's own small
-metrics. For gzip the compressor's state after the cached part is kept and
-copied, so each scrape compresses just the small tail yet sends one valid gzip
-stream. The cached part is identical in both formats (gauges only), so text and
-OpenMetrics share it.
+The cache-config families (nearly all the bytes) are rendered here from the
+samples of ``exporter/series.py``, one replica at a time and once per change of it (replicas
+are immutable, so the lines are cached by identity); the body is joined, and
+for gzip compressed, once per state version. The families are gauges, whose
+lines are the same in both formats, so text and OpenMetrics share that part.
+The exporter's own metrics follow, rendered by prometheus_client's encoder of
+the format from their registry (reused until a count changes, and at most a
+second: the process metrics read /proc). For gzip the compressor's state after
+the cached part is kept and copied, so each scrape compresses only the small
+tail yet sends one valid gzip stream.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
-from exporter.collector import CacheConfigCollector
-from exporter.state import ExporterState
-from exporter.telemetry import ExporterMetrics
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest as text_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.utils import floatToGoString
 
-TEXT = "text/plain; version=0.0.4; charset=utf-8"
-OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-# Media range -> (the version parameter it may carry, the content type served for it).
-_FORMATS = {
-    "application/openmetrics-text": ("1.0.0", OPENMETRICS),
-    "text/plain": ("0.0.4", TEXT),
-    "text/*": ("0.0.4", TEXT),
-    "*/*": ("0.0.4", TEXT),
-}
+from exporter.replicas import Replica, ReplicaKey
+from exporter.series import FAMILIES, Labels, replica_samples
+from exporter.state import ExporterState, PerVersion
+from exporter.telemetry import Telemetry
+
+
+class Format(NamedTuple):
+    media_range: str
+    version: str
+    content_type: str
+    render: Callable[[CollectorRegistry], bytes]
+    end: bytes
+
+
+TEXT = Format("text/plain", "0.0.4", "text/plain; version=0.0.4; charset=utf-8", text_latest, b"")
+OPENMETRICS = Format(
+    "application/openmetrics-text",
+    "1.0.0",
+    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+    openmetrics_latest,
+    b"# EOF\n",
+)
+# Media range -> the format served for it.
+_FORMATS = {"application/openmetrics-text": OPENMETRICS, "text/plain": TEXT, "text/*": TEXT, "*/*": TEXT}
 # Fast compression: it runs once per state change, and label-heavy text compresses well at any level.
 GZIP_LEVEL = 1
+# The exporter's own metrics are rendered again at least this often (process CPU, memory).
+SELF_METRICS_SECONDS = 1.0
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
@@ -49,8 +73,8 @@ def accepts_gzip(accept_encoding: str) -> bool:
     return False
 
 
-def negotiate(accept: str) -> str:
-    """The content type to serve: the supported media range of highest ``q`` (the first on a tie), else text."""
+def negotiate(accept: str) -> Format:
+    """The format to serve: the supported media range of highest ``q`` (the first on a tie), else text."""
     best, best_quality = TEXT, 0.0
     for media_range in accept.split(","):
         kind, *parameter_list = (part.strip() for part in media_range.split(";"))
@@ -58,22 +82,73 @@ def negotiate(accept: str) -> str:
             (name.strip().lower(), value.strip()) for name, _, value in (p.partition("=") for p in parameter_list)
         )
         supported = _FORMATS.get(kind.lower())
-        if supported is None or parameters.get("version", supported[0]) != supported[0]:
+        if supported is None or parameters.get("version", supported.version) != supported.version:
             continue
         try:
             quality = float(parameters.get("q", "1"))
         except ValueError:
             continue
         if best_quality < quality <= 1:
-            best, best_quality = supported[1], quality
+            best, best_quality = supported, quality
     return best
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pair(label: str, value: str) -> str:
+    """``label="value"``, escaped; cached: most pairs (``cache_dtype="auto"``) repeat on every engine."""
+    escaped = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return f'{label}="{escaped}"'
+
+
+def _line(name: str, labels: Labels, value: float) -> str:
+    """A sample as both formats write it: who (deployment, replica, engine) first, then the labels in the
+    order of the sending vLLM release; values as prometheus_client (so vLLM) writes them, like ``1056.0``."""
+    rendered = ",".join(_pair(label, text) for label, text in labels)
+    return f"{name}{{{rendered}}} {floatToGoString(value)}\n"
+
+
+class ReplicaLines:
+    """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then join.
+
+    Called from the writer thread (the budget) and from the scrape's thread; a render lost to a race is only
+    done again.
+    """
+
+    def __init__(self, prefix: str = "") -> None:
+        self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
+        self.headers = tuple(
+            f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
+            for name, family in zip(self.names, FAMILIES, strict=True)
+        )
+        self._rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
+
+    def of(self, replica: Replica) -> tuple[bytes, ...]:
+        """One replica's lines, a bytes string per family."""
+        cached = self._rendered.get(replica.key)
+        if cached is not None and cached[0] is replica:
+            return cached[1]
+        lines = tuple(
+            "".join(_line(name, labels, value) for labels, value in samples).encode()
+            for name, samples in zip(self.names, replica_samples(replica), strict=True)
+        )
+        self._rendered[replica.key] = (replica, lines)
+        return lines
+
+    def size(self, replica: Replica) -> int:
+        return sum(len(family) for family in self.of(replica))
+
+    def body(self, replicas: Mapping[ReplicaKey, Replica]) -> bytes:
+        """The cache-config families of all ``replicas``; only called from one thread at a time."""
+        parts = [self.of(replicas[key]) for key in sorted(replicas)]
+        for key in [key for key in list(self._rendered) if key not in replicas]:
+            self._rendered.pop(key, None)
+        return b"".join(header + b"".join(part[index] for part in parts) for index, header in enumerate(self.headers))
 
 
 class _Rendered:
     """The cache-config part of one state version, plain and (on first demand) gzip-compressed."""
 
-    def __init__(self, version: int, body: bytes) -> None:
-        self.version = version
+    def __init__(self, body: bytes) -> None:
         self.body = body
         self._gzip: tuple[bytes, zlib._Compress] | None = None
         self._lock = threading.Lock()
@@ -91,38 +166,39 @@ class _Rendered:
 
 
 class Exposition:
-    """Renders ``/metrics`` bodies from a state, its collector and the exporter's own metrics."""
+    """Renders ``/metrics`` bodies: the replicas of ``state``, then the exporter's own metrics in ``registry``."""
 
-    def __init__(self, state: ExporterState, collector: CacheConfigCollector, metrics: ExporterMetrics) -> None:
+    def __init__(
+        self, state: ExporterState, lines: ReplicaLines, registry: CollectorRegistry, telemetry: Telemetry
+    ) -> None:
         self._state = state
-        self._collector = collector
-        self._metrics = metrics
-        self._rendered = _Rendered(-1, b"")
-        self._lock = threading.Lock()
+        self._registry = registry
+        self._telemetry = telemetry
+        self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.body(replicas)))
+        self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
 
     def is_fresh(self, gzip: bool) -> bool:
         """True when ``render`` will neither re-render nor compress the large part (cheap on the event loop)."""
-        rendered = self._rendered
-        return rendered.version == self._state.version and (rendered.has_gzip or not gzip)
+        rendered = self._rendered.fresh()
+        return rendered is not None and (rendered.has_gzip or not gzip)
 
-    def _current(self) -> _Rendered:
-        rendered = self._rendered
-        if rendered.version == self._state.version:
-            return rendered
-        with self._lock:
-            # Read the version before the snapshot: the snapshot is then at least that new.
-            version = self._state.version
-            if self._rendered.version != version:
-                self._rendered = _Rendered(version, self._collector.collect(self._state.snapshot()))
-            return self._rendered
+    def _own_metrics(self, served: Format) -> bytes:
+        """The registry in ``served``'s format, without its end marker."""
+        healthy = self._state.storage_error is None
+        key = (self._telemetry.generation, healthy, int(time.monotonic() / SELF_METRICS_SECONDS))
+        cached = self._self_metrics.get(served)
+        if cached is None or cached[0] != key:
+            cached = (key, served.render(self._registry).removesuffix(served.end))
+            self._self_metrics[served] = cached
+        return cached[1]
 
     def render(self, accept: str, gzip: bool) -> tuple[Sequence[bytes], str]:
         """The body (as chunks to send in order) and its content type."""
-        content_type = negotiate(accept)
-        rendered = self._current()
-        tail = self._metrics.render(openmetrics=content_type == OPENMETRICS)
+        served = negotiate(accept)
+        rendered = self._rendered.current()
+        tail = self._own_metrics(served) + served.end
         if not gzip:
-            return (rendered.body, tail), content_type
+            return (rendered.body, tail), served.content_type
         prefix, compressor = rendered.gzip_prefix()
         finish = compressor.copy()
-        return (prefix, finish.compress(tail) + finish.flush()), content_type
+        return (prefix, finish.compress(tail) + finish.flush()), served.content_type

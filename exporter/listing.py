@@ -12,7 +12,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from exporter.state import ExporterState, Replica, ReplicaKey
+from exporter.replicas import Replica, ReplicaKey
+from exporter.state import ExporterState, PerVersion
+from exporter.writer import Replicas
 
 # Sorts after every replica name: ``after=DEPLOYMENT`` skips all of that deployment's replicas.
 _LAST_REPLICA = "\U0010ffff"
@@ -22,7 +24,6 @@ _LAST_REPLICA = "\U0010ffff"
 class _Encoded:
     """One state version's replicas: keys in order, their JSON, and the whole array once asked for."""
 
-    version: int
     keys: list[ReplicaKey]
     parts: list[bytes]
     whole: bytes | None = None
@@ -43,46 +44,35 @@ class DeploymentListing:
     """
 
     def __init__(self, state: ExporterState, encode: Callable[[Replica], bytes]) -> None:
-        self._state = state
         self._encode = encode
         # Replicas are immutable: an unchanged one keeps its encoded JSON from one version to the next.
         self._by_key: dict[ReplicaKey, tuple[Replica, bytes]] = {}
-        self._encoded = _Encoded(-1, [], [])
-        self._lock = threading.Lock()
+        self._encoded = PerVersion(state, self._encode_all)
 
     def is_fresh(self, whole: bool) -> bool:
         """True when ``page`` will neither encode nor join the whole list (cheap on the event loop)."""
-        encoded = self._encoded
-        return encoded.version == self._state.version and (encoded.whole is not None or not whole)
+        encoded = self._encoded.fresh()
+        return encoded is not None and (encoded.whole is not None or not whole)
 
-    def _current(self) -> _Encoded:
-        encoded = self._encoded
-        if encoded.version == self._state.version:
-            return encoded
-        with self._lock:
-            # Read the version before the snapshot: the snapshot is then at least that new.
-            version = self._state.version
-            if self._encoded.version != version:
-                replicas = self._state.snapshot()
-                by_key = {}
-                for key in sorted(replicas):
-                    replica = replicas[key]
-                    cached = self._by_key.get(key)
-                    by_key[key] = cached if cached and cached[0] is replica else (replica, self._encode(replica))
-                self._by_key = by_key
-                self._encoded = _Encoded(version, list(by_key), [part for _, part in by_key.values()])
-            return self._encoded
+    def _encode_all(self, replicas: Replicas) -> _Encoded:
+        by_key = {}
+        for key in sorted(replicas):
+            replica = replicas[key]
+            cached = self._by_key.get(key)
+            by_key[key] = cached if cached and cached[0] is replica else (replica, self._encode(replica))
+        self._by_key = by_key
+        return _Encoded(list(by_key), [part for _, part in by_key.values()])
 
     def replicas_of(self, deployment: str) -> bytes:
         """The JSON array of one deployment's replicas."""
-        encoded = self._current()
+        encoded = self._encoded.current()
         start = bisect.bisect_left(encoded.keys, (deployment, ""))
         end = bisect.bisect_right(encoded.keys, (deployment, _LAST_REPLICA))
         return b"[" + b",".join(encoded.parts[start:end]) + b"]"
 
     def page(self, after: str | None, limit: int | None) -> tuple[Sequence[bytes], str | None]:
         """The JSON array (as chunks), and the cursor to continue ``after`` when more replicas follow."""
-        encoded = self._current()
+        encoded = self._encoded.current()
         if after is None and limit is None:
             return (encoded.everything(),), None
         deployment, _, replica = (after or "").partition(" ")

@@ -1,29 +1,90 @@
-"""RFC 9457 problem details: every refusal says which field was wrong and why."""
+"""RFC 9457 problem details, and the one table that gives each refusal its HTTP status.
+
+Every refusal the exporter answers is a ``Problem``: built from an error of the
+layers below by ``problem_for`` (the table), or directly by the HTTP layer
+(limits on headers and bodies, access). ``reason`` is also the label of the
+rejection counter.
+"""
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import msgspec
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from exporter.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    NotFound,
+    Refused,
+    StorageUnavailable,
+    UnsupportedMediaType,
+)
+from protocol import InvalidPayload, MalformedPayload, SyncConflict
 
 PROBLEM_JSON = "application/problem+json"
+_json = msgspec.json.Encoder()
 
 
 class Problem(Exception):
-    """An error answered as ``application/problem+json``; ``reason`` also labels the rejection counter."""
+    """An error answered as ``application/problem+json``; never changed once built."""
 
-    def __init__(self, status: int, title: str, detail: str, field: str | None = None, reason: str = "invalid") -> None:
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str,
+        field: str | None = None,
+        reason: str = "invalid",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.title = title
         self.detail = detail
         self.field = field
         self.reason = reason
-        self.headers: dict[str, str] = {}
+        self.headers = dict(headers or {})
 
 
-def problem_response(request: Request, problem: Problem) -> JSONResponse:
+class Refusal(NamedTuple):
+    status: int
+    title: str
+    reason: str
+    headers: Mapping[str, str] = {}
+
+
+# The most specific class of an error decides (its method resolution order is walked).
+REFUSALS: dict[type[Exception], Refusal] = {
+    MalformedPayload: Refusal(400, "Malformed payload", "malformed"),
+    SyncConflict: Refusal(409, "Conflicting engines", "conflict"),
+    InvalidPayload: Refusal(422, "Invalid payload", "invalid"),
+    InvalidRequest: Refusal(422, "Invalid request", "invalid_request"),
+    UnsupportedMediaType: Refusal(415, "Unsupported media type", "unsupported_media_type"),
+    NotFound: Refusal(404, "Not found", "not_found"),
+    LimitExceeded: Refusal(429, "Limit reached", "limit"),
+    StorageUnavailable: Refusal(503, "Storage unavailable", "storage_unavailable", {"Retry-After": "1"}),
+}
+
+
+def problem_for(error: Exception) -> Problem:
+    """The problem an error of the protocol, the limits, the state or the store stands for."""
+    if isinstance(error, HTTPException):  # Starlette's own: an unknown route, a method not allowed
+        detail = str(error.detail)
+        return Problem(error.status_code, detail, detail, reason="http", headers=error.headers)
+    refusal = next(REFUSALS[kind] for kind in type(error).__mro__ if kind in REFUSALS)
+    if isinstance(error, InvalidPayload | Refused):
+        detail, field = error.reason, error.field
+    else:
+        detail, field = f"nothing was changed: {error}", None
+    return Problem(refusal.status, refusal.title, detail, field, refusal.reason, refusal.headers)
+
+
+def problem_response(request: Request, problem: Problem) -> Response:
     body: dict[str, object] = {
         "type": f"urn:cache-config-exporter:problem:{problem.reason}",
         "title": problem.title,
@@ -33,27 +94,4 @@ def problem_response(request: Request, problem: Problem) -> JSONResponse:
     }
     if problem.field is not None:
         body["field"] = problem.field
-    return JSONResponse(body, status_code=problem.status, media_type=PROBLEM_JSON, headers=problem.headers)
-
-
-async def handle_problem(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, Problem)
-    return problem_response(request, error)
-
-
-async def handle_http_exception(request: Request, error: Exception) -> JSONResponse:
-    """Starlette's own errors (404 route, 405 method) in the same shape as ours."""
-    assert isinstance(error, HTTPException)
-    problem = Problem(error.status_code, str(error.detail), str(error.detail), reason="http")
-    problem.headers = dict(error.headers or {})
-    return problem_response(request, problem)
-
-
-async def handle_validation_error(request: Request, error: Exception) -> JSONResponse:
-    """FastAPI's parameter validation (e.g. a non-numeric engine index), naming the parameter."""
-    assert isinstance(error, RequestValidationError)
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first.get("loc", ()))
-    return problem_response(
-        request, Problem(422, "Invalid request", str(first.get("msg")), location, "invalid_request")
-    )
+    return Response(_json.encode(body), problem.status, problem.headers, PROBLEM_JSON)

@@ -8,24 +8,24 @@ header-phase timeout, which uvicorn's httptools parser lacks) refuses a request 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from exporter.problems import Problem, problem_response
+from exporter.problems import Problem
+from exporter.settings import flag_of, is_loopback
 
-RefusalCounter = Callable[[Scope, str], None]
+# Answers a refusal made here (and counts it, as the app counts every refusal).
+RefusalAnswer = Callable[[Scope, Problem], Response]
 
 
-def _closing(problem: Problem) -> Problem:
-    """The problem with ``Connection: close``: the rest of that body is never read, so the connection ends."""
-    problem.headers["Connection"] = "close"
-    return problem
+# The rest of a refused body is never read, so the connection ends.
+_CLOSE = {"Connection": "close"}
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -110,16 +110,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def is_loopback_name(name: str) -> bool:
-    """``localhost`` or a loopback address (IPv4 or IPv6): names DNS rebinding cannot point elsewhere."""
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 def host_name(host: str) -> str:
     """The name of a ``Host`` header without its port or trailing dot, lower-case (``[::1]:80`` -> ``::1``)."""
     host = host.strip().lower()
@@ -128,47 +118,32 @@ def host_name(host: str) -> str:
     return (host.rpartition(":")[0] if ":" in host else host).rstrip(".")
 
 
+@dataclass(frozen=True)
 class RequestGuard:
     """ASGI middleware: 421 for a ``Host`` outside ``allowed_hosts`` (None: any host; loopback names always
     pass), 413 for bodies over ``max_bytes`` (at once when ``Content-Length`` says so, before any body is
     read), 408 when a body takes longer than ``read_timeout`` seconds to arrive, and a quiet refusal (no
-    traceback) when the client leaves mid-body. ``count_refusal`` hears of the refusals answered here."""
+    traceback) when the client leaves mid-body. ``answer`` answers the refusals made before the app runs."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        max_bytes: int,
-        read_timeout: float,
-        allowed_hosts: frozenset[str] | None,
-        count_refusal: RefusalCounter,
-    ) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.read_timeout = read_timeout
-        self.allowed_hosts = allowed_hosts
-        self.count_refusal = count_refusal
+    app: ASGIApp
+    max_bytes: int
+    read_timeout: float
+    allowed_hosts: frozenset[str] | None
+    answer: RefusalAnswer
 
     def _too_large(self) -> Problem:
-        return _closing(
-            Problem(
-                413,
-                "Request body too large",
-                f"request bodies are limited to {self.max_bytes} bytes",
-                "body",
-                "too_large",
-            )
-        )
+        detail = f"request bodies are limited to {self.max_bytes} bytes"
+        return Problem(413, "Request body too large", detail, "body", "too_large", _CLOSE)
 
     def _host_allowed(self, headers: dict[bytes, bytes]) -> bool:
         host = headers.get(b"host")
         if self.allowed_hosts is None or host is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         name = host_name(host.decode("latin-1"))
-        return is_loopback_name(name) or name in self.allowed_hosts
+        return is_loopback(name) or name in self.allowed_hosts
 
     async def _refuse(self, problem: Problem, scope: Scope, receive: Receive, send: Send) -> None:
-        self.count_refusal(scope, problem.reason)
-        await problem_response(Request(scope), problem)(scope, receive, send)
+        await self.answer(scope, problem)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -176,8 +151,8 @@ class RequestGuard:
             return
         headers = dict(scope["headers"])
         if not self._host_allowed(headers):
-            problem = Problem(421, "Misdirected request", "this exporter does not serve that host name; see "
-                              "--web.allowed-hosts", "Host", "host")  # fmt: skip
+            detail = f"this exporter does not serve that host name; see {flag_of('allowed_hosts')}"
+            problem = Problem(421, "Misdirected request", detail, "Host", "host")
             await self._refuse(problem, scope, receive, send)
             return
         length = headers.get(b"content-length")
@@ -196,15 +171,8 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except TimeoutError:
-                raise _closing(
-                    Problem(
-                        408,
-                        "Request timeout",
-                        f"the body did not arrive within {self.read_timeout} s",
-                        "body",
-                        "timeout",
-                    )
-                ) from None
+                detail = f"the body did not arrive within {self.read_timeout} s"
+                raise Problem(408, "Request timeout", detail, "body", "timeout", _CLOSE) from None
             if message["type"] == "http.disconnect":  # nobody is left to answer; no traceback for it either
                 raise Problem(400, "Client disconnected", "the client left before sending the whole body", "body",
                               "client_disconnected")  # fmt: skip

@@ -37,9 +37,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exporter.problems import Problem
-from exporter.settings import Settings, SettingsError, read_file, read_secret
+from exporter.settings import Settings, SettingsError, flag_of, read_file, read_secret
 
-WEB_CONFIG_FLAG = "--web.config.file"
+WEB_CONFIG_FLAG = flag_of("web_config_file")
 _log = logging.getLogger("cache_config_exporter")
 T = TypeVar("T")
 Signature = tuple[tuple[int, int, int, int] | None, ...]
@@ -280,12 +280,13 @@ def watched_web_config(path: Path) -> Watched[WebConfig]:
 @functools.cache
 def _watched_legacy_tls(cert_file: Path, key_file: Path) -> Watched[WebConfig]:
     """``--web.tls-cert-file`` and ``--web.tls-key-file``: reloaded on change like the web config's TLS."""
+    cert_flag = flag_of("tls_cert_file")
 
     def load() -> tuple[WebConfig, tuple[Path, ...]]:
-        context = tls_context(cert_file, key_file, "--web.tls-cert-file/--web.tls-key-file")
+        context = tls_context(cert_file, key_file, f"{cert_flag}/{flag_of('tls_key_file')}")
         return WebConfig(context), (cert_file, key_file)
 
-    return Watched(f"--web.tls-cert-file {cert_file}", load)
+    return Watched(f"{cert_flag} {cert_file}", load)
 
 
 def watched_tls(settings: Settings) -> Watched[WebConfig] | None:
@@ -382,16 +383,19 @@ class Credentials:
 
         plain_users = None
         if settings.metrics_basic_auth_file is not None:
+            basic_auth_flag = flag_of("metrics_basic_auth_file")
             _log.warning(
-                "--web.metrics-basic-auth-file keeps passwords in plain text and is deprecated: "
-                "put bcrypt hashes under basic_auth_users in --web.config.file instead"
+                "%s keeps passwords in plain text and is deprecated: "
+                "put bcrypt hashes under basic_auth_users in %s instead",
+                basic_auth_flag,
+                WEB_CONFIG_FLAG,
             )
             plain_users = {}
-            lines = read_secret("--web.metrics-basic-auth-file", settings.metrics_basic_auth_file).splitlines()
+            lines = read_secret(basic_auth_flag, settings.metrics_basic_auth_file).splitlines()
             for number, line in enumerate(lines, 1):
                 user, separator, password = line.strip().partition(":")
                 if not separator or not user or not password:
-                    raise SettingsError(f"--web.metrics-basic-auth-file line {number}: expected USER:PASSWORD")
+                    raise SettingsError(f"{basic_auth_flag} line {number}: expected USER:PASSWORD")
                 plain_users[user] = password.encode()
         web_config = None
         if settings.web_config_file is not None:
@@ -399,8 +403,8 @@ class Credentials:
         elif settings.tls_cert_file is not None:
             web_config = watched_tls(settings)
         return cls(
-            ingest_tokens=tokens("--web.ingest-token-file", settings.ingest_token_file),
-            metrics_tokens=tokens("--web.metrics-token-file", settings.metrics_token_file),
+            ingest_tokens=tokens(flag_of("ingest_token_file"), settings.ingest_token_file),
+            metrics_tokens=tokens(flag_of("metrics_token_file"), settings.metrics_token_file),
             web_config=web_config,
             plain_users=plain_users,
         )
@@ -476,9 +480,7 @@ class ResponseHeaders:
 
 
 def _unauthorized(detail: str, challenge: str) -> Problem:
-    problem = Problem(401, "Unauthorized", detail, "Authorization", "unauthorized")
-    problem.headers["WWW-Authenticate"] = challenge
-    return problem
+    return Problem(401, "Unauthorized", detail, "Authorization", "unauthorized", {"WWW-Authenticate": challenge})
 
 
 def _bearer_matches(request: Request, tokens: frozenset[bytes]) -> bool:

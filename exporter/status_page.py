@@ -13,7 +13,8 @@ from typing import Any
 from urllib.parse import quote
 
 from exporter import __version__
-from exporter.state import Replica, ReplicaKey, ReplicaView, view
+from exporter.replicas import Replica, ReplicaKey
+from exporter.views import ReplicaView, view
 
 # Beyond this many replicas the page lists the first ones and points at the JSON for the rest.
 MAX_LISTED_REPLICAS = 500

@@ -1,4 +1,4 @@
-"""Durable storage of what the exporter was told: SQLite, committed before any 2xx answer.
+"""Durable storage of what the exporter was told: the ``Store`` interface, and SQLite behind it.
 
 Only inputs are stored (each replica's static labels, instance, heartbeat
 interval and last-seen time, each engine's latest ready response as the bytes
@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from exporter.errors import StorageUnavailable
 
 # "CCEX": marks a file as ours, so a foreign SQLite file is never written to.
 APPLICATION_ID = 0x43434558
@@ -67,6 +70,15 @@ class StorageError(RuntimeError):
     """The store cannot be opened; the message says why."""
 
 
+@contextmanager
+def _unavailable_on_error() -> Iterator[None]:
+    """SQLite's errors as the store's: the layers above never see ``sqlite3``."""
+    try:
+        yield
+    except sqlite3.Error as error:
+        raise StorageUnavailable(str(error)) from None
+
+
 @dataclass
 class StoredEngine:
     """One engine's ready response as received."""
@@ -89,7 +101,25 @@ class StoredReplica:
     engines: dict[int, StoredEngine] = field(default_factory=dict)
 
 
-class Store:
+class Store(Protocol):
+    """What the writer needs of a store. Every failure to read or write is ``StorageUnavailable``."""
+
+    path: Path
+
+    def transaction(self) -> AbstractContextManager[None]: ...
+    def read_transaction(self) -> AbstractContextManager[None]: ...
+    def changed_elsewhere(self) -> bool: ...
+    def load(self) -> list[StoredReplica]: ...
+    def save_replica(self, stored: StoredReplica) -> None: ...
+    def save_engine(self, deployment: str, replica: str, engine: int, stored: StoredEngine) -> None: ...
+    def delete_engines(self, deployment: str, replica: str) -> None: ...
+    def delete_replica(self, deployment: str, replica: str) -> None: ...
+    def delete_engine(self, deployment: str, replica: str, engine: int) -> None: ...
+    def probe(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class SqliteStore:
     """A single SQLite file in WAL mode with ``synchronous=FULL``: a commit survives power loss.
 
     Writes happen inside ``transaction()``; several processes may share one file,
@@ -144,7 +174,8 @@ class Store:
         return 0
 
     def _read_data_version(self) -> int:
-        return self._db.execute("PRAGMA data_version").fetchone()[0]
+        with _unavailable_on_error():
+            return self._db.execute("PRAGMA data_version").fetchone()[0]
 
     def changed_elsewhere(self) -> bool:
         """True when another connection (another worker process) committed since the last ``load()``."""
@@ -164,16 +195,22 @@ class Store:
 
     @contextmanager
     def _transaction(self, begin: str) -> Iterator[None]:
-        self._db.execute(begin)
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with _unavailable_on_error():
+            self._db.execute(begin)
+            try:
+                yield
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def load(self) -> list[StoredReplica]:
         """Every stored replica with its engines."""
+        with _unavailable_on_error():
+            return self._load()
+
+    def _load(self) -> list[StoredReplica]:
         replicas = {
             (row[0], row[1]): StoredReplica(*row)
             for row in self._db.execute(
@@ -222,9 +259,6 @@ class Store:
         self._db.execute(
             "INSERT INTO probe (id, writes) VALUES (1, 1) ON CONFLICT(id) DO UPDATE SET writes = writes + 1"
         )
-
-    def integrity_ok(self) -> bool:
-        return self._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
     def close(self) -> None:
         self._db.close()

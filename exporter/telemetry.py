@@ -1,24 +1,30 @@
-"""The exporter's metrics about itself: build info, storage health, and what happened to ready responses.
+"""The exporter's metrics about itself, as prometheus_client metrics: ready responses accepted and refused,
+replicas expired, storage health, build info, and the process.
 
-They are rendered by hand on every scrape (a few lines, microseconds); the
-process and platform metrics come from prometheus_client and are sampled at
-most once a second, since reading /proc costs more than the rest of a scrape.
+Counters are counted where the events happen: ``accepted`` and ``expired`` when
+the writer has committed them, refusals where a refusal becomes an HTTP answer.
+With ``--web.workers N`` each worker counts into prometheus_client's
+multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set by ``serve``) and every
+worker's scrape shows the sums over all of them.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import platform
-import time
-from collections.abc import Callable
+from collections import Counter as Counts
+from collections.abc import Callable, Iterator
 
 import msgspec
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.exposition import generate_latest as text_latest
-from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from exporter import __version__
-from exporter.collector import escape_label_value, format_value
 
+MULTIPROCESS_ENVIRONMENT = "PROMETHEUS_MULTIPROC_DIR"
 REJECTION_REASONS = (
     "malformed",
     "invalid",
@@ -33,68 +39,71 @@ REJECTION_REASONS = (
     "client_disconnected",
     "host",
 )
-PROCESS_SAMPLE_SECONDS = 1.0
-_ACCEPTED = "cache_config_exporter_ready_responses_accepted"
-_REJECTED = "cache_config_exporter_ready_responses_rejected"
-_EXPIRED = "cache_config_exporter_replicas_expired"
 
 
-def _family(name: str, kind: str, help_text: str, samples: str, openmetrics: bool) -> str:
-    """One family; text format names a counter family with its ``_total`` suffix, OpenMetrics without."""
-    family = name if openmetrics or kind != "counter" else f"{name}_total"
-    return f"# HELP {family} {help_text}\n# TYPE {family} {kind}\n{samples}"
+class _Health(Collector):
+    """Storage health and build info, read when collected."""
 
-
-class ExporterMetrics:
-    """Counters of ready responses, storage health and build info; ``registry`` holds the process metrics."""
-
-    def __init__(
-        self, registry: CollectorRegistry, storage_healthy: Callable[[], bool], replicas_expired: Callable[[], int]
-    ) -> None:
-        self.accepted = 0
-        self._replicas_expired = replicas_expired
-        self.rejected = dict.fromkeys(REJECTION_REASONS, 0)
+    def __init__(self, storage_healthy: Callable[[], bool]) -> None:
         self._storage_healthy = storage_healthy
-        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "cache_config_exporter_storage_healthy",
+            "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
+            value=float(self._storage_healthy()),
+        )
+        build = GaugeMetricFamily(
+            "cache_config_exporter_build_info",
+            "A metric with a constant 1 labelled by the exporter's version and runtime.",
+            labels=["version", "python_version", "msgspec_version"],
+        )
+        build.add_metric([__version__, platform.python_version(), msgspec.__version__], 1.0)
+        yield build
+
+
+class Telemetry:
+    """Counts what happens to ready responses and replicas into ``registry`` (with the process metrics).
+
+    ``generation`` changes whenever a count does, so a rendering of the registry can be reused until then.
+    """
+
+    def __init__(self, registry: CollectorRegistry, storage_healthy: Callable[[], bool]) -> None:
+        shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
+        own = None if shared else registry
+        self.accepted = Counter(
+            "cache_config_exporter_ready_responses_accepted",
+            "Ready responses accepted and committed to storage.",
+            registry=own,
+        )
+        self.rejected = Counter(
+            "cache_config_exporter_ready_responses_rejected",
+            "Ready responses refused, by reason; nothing was stored for them.",
+            ["reason"],
+            registry=own,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
+        self.expired = Counter(
+            "cache_config_exporter_replicas_expired",
+            "Replicas removed because they missed their heartbeats without saying goodbye.",
+            registry=own,
+        )
+        if shared:
+            MultiProcessCollector(registry, shared)
+        registry.register(_Health(storage_healthy))
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
-        self._sampled: dict[bool, tuple[float, str]] = {}
-        labels = (("version", __version__), ("python_version", platform.python_version()),
-                  ("msgspec_version", msgspec.__version__))  # fmt: skip
-        self._build_info = ",".join(f'{name}="{escape_label_value(value)}"' for name, value in labels)
+        self._ticks = itertools.count(1)
+        self.generation = 0
 
     def reject(self, reason: str) -> None:
-        """Count a refused ready response (called from the event loop only)."""
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        """Count a refused ready response."""
+        self.rejected.labels(reason).inc()
+        self.generation = next(self._ticks)
 
-    def _process(self, openmetrics: bool) -> str:
-        now = time.monotonic()
-        sampled = self._sampled.get(openmetrics)
-        if sampled is None or now - sampled[0] >= PROCESS_SAMPLE_SECONDS:
-            text = (openmetrics_latest if openmetrics else text_latest)(self._registry).decode()
-            sampled = (now, text.removesuffix("# EOF\n"))
-            self._sampled[openmetrics] = sampled
-        return sampled[1]
-
-    def render(self, openmetrics: bool) -> bytes:
-        rejected = "".join(
-            f'{_REJECTED}_total{{reason="{reason}"}} {format_value(count)}\n' for reason, count in self.rejected.items()
-        )
-        parts = (
-            _family(_ACCEPTED, "counter", "Ready responses accepted and committed to storage.",
-                    f"{_ACCEPTED}_total {format_value(self.accepted)}\n", openmetrics),
-            _family(_REJECTED, "counter", "Ready responses refused, by reason; nothing was stored for them.",
-                    rejected, openmetrics),
-            _family(_EXPIRED, "counter",
-                    "Replicas removed because they missed their heartbeats without saying goodbye.",
-                    f"{_EXPIRED}_total {format_value(self._replicas_expired())}\n", openmetrics),
-            _family("cache_config_exporter_storage_healthy", "gauge",
-                    "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
-                    f"cache_config_exporter_storage_healthy {format_value(self._storage_healthy())}\n", openmetrics),
-            _family("cache_config_exporter_build_info", "gauge",
-                    "A metric with a constant 1 labelled by the exporter's version and runtime.",
-                    f"cache_config_exporter_build_info{{{self._build_info}}} 1.0\n", openmetrics),
-            self._process(openmetrics),
-            "# EOF\n" if openmetrics else "",
-        )  # fmt: skip
-        return "".join(parts).encode()
+    def committed(self, counts: Counts[str]) -> None:
+        """Count what one commit accepted and expired (called by the writer thread)."""
+        self.accepted.inc(counts["accepted"])
+        self.expired.inc(counts["expired"])
+        self.generation = next(self._ticks)  # a new value from either thread, never a lost update

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import atexit
 import functools
-import http.client
 import importlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -43,14 +41,12 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from exporter import __version__
+from exporter import sender
 
 URL_VARIABLE = "CACHE_CONFIG_EXPORTER_URL"
 DEPLOYMENT_VARIABLE = "CACHE_CONFIG_EXPORTER_DEPLOYMENT"
@@ -60,7 +56,6 @@ TOKEN_FILE_VARIABLE = "CACHE_CONFIG_EXPORTER_TOKEN_FILE"
 TOKEN_VARIABLE = "CACHE_CONFIG_EXPORTER_TOKEN"
 # The same variable as ``cache-config-exporter push --timeout``.
 TIMEOUT_VARIABLE = "CACHE_CONFIG_EXPORTER_TIMEOUT"
-DEFAULT_TIMEOUT_SECONDS = 2.0
 DEFAULT_HEARTBEAT_SECONDS = 30.0
 # The heartbeat intervals the exporter accepts.
 MIN_HEARTBEAT_SECONDS = 1.0
@@ -76,9 +71,6 @@ RETRY_STATUSES = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
 VLLM_DEFAULT_PORT = "8000"
 # Set on the wrapper: marks the method as patched and lets tests reach its forwarder.
 FORWARDER_ATTRIBUTE = "cache_config_exporter_forwarder"
-# RFC 7230 visible characters: anything else could break the header (and land in an error message).
-_BEARER_TOKEN = re.compile(r"[!-~]+")
-_USER_AGENT = f"cache-config-exporter-vllm-plugin/{__version__}"
 # The exporter's names: a deployment is ``/``-separated segments, a replica one segment; each at most 200 long.
 _NAME_SEGMENT_START = re.compile(r"[^A-Za-z0-9_]")
 _NAME_SEGMENT_REST = re.compile(r"[^A-Za-z0-9_.:@+-]")
@@ -87,7 +79,6 @@ DEFAULT_DEPLOYMENT = "default"
 DEFAULT_REPLICA = "default"
 # A served model name that is a path, not a name: ``vllm serve /models/llama`` without ``--served-model-name``.
 _PATH_PREFIXES = ("/", "./", "../", "~")
-_URL_SEPARATORS = re.compile(r"[\s,]+")
 
 # A child of vLLM's own logger, so that messages appear in vLLM's log with its format.
 logger = logging.getLogger("vllm.cache_config_exporter")
@@ -103,7 +94,7 @@ class Target:
     token_file: str | None = None
     # Kept out of repr(): the token must never reach a log or a traceback.
     token: str | None = field(default=None, repr=False)
-    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    timeout_seconds: float = sender.DEFAULT_TIMEOUT_SECONDS
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
 
     @classmethod
@@ -121,7 +112,7 @@ class Target:
             timeout_seconds=_seconds(
                 TIMEOUT_VARIABLE,
                 environ.get(TIMEOUT_VARIABLE),
-                DEFAULT_TIMEOUT_SECONDS,
+                sender.DEFAULT_TIMEOUT_SECONDS,
                 lambda seconds: 0.0 < seconds < math.inf,
                 "a positive number of seconds",
             ),
@@ -138,10 +129,7 @@ class Target:
 def _urls(value: str) -> tuple[str, ...]:
     """The distinct http(s) URLs of a comma- or space-separated list; each other entry gets a warning."""
     urls: list[str] = []
-    for entry in _URL_SEPARATORS.split(value.strip()):
-        url = entry.rstrip("/")
-        if not url:
-            continue
+    for url in sender.split_urls(value):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             logger.warning(
@@ -288,24 +276,7 @@ class _Attempt(NamedTuple):
     kind: Literal["config", "engine", "heartbeat"]
     engine: int
     version: int
-    method: str
-    path: str
-    body: bytes
-    content_type: str | None
-
-
-class _Unreachable(Exception):
-    """The exporter did not take a request, but may later: retried with backoff. The message fits the log."""
-
-
-class _Refused(Exception):
-    """The exporter refused a request for good (a 404, 409, 422, ...); ``field`` names what it refused."""
-
-    def __init__(self, status: int, message: str, field_name: str | None, detail: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.field_name = field_name
-        self.detail = detail
+    call: sender.Call
 
 
 class Delivery:
@@ -395,62 +366,40 @@ class Delivery:
         """
         if now < self._retry_at:
             return self._retry_at - now
+        interval = self._target.heartbeat_seconds
         for replica in self._replicas.values():
-            path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
-            query = self._query(replica, "heartbeat")
+            deployment, name = replica.deployment, replica.name
             if replica.config_version != replica.config_delivered:
-                body = json.dumps(replica.config).encode()
-                return _Attempt(
-                    replica,
-                    "config",
-                    0,
-                    replica.config_version,
-                    "PUT",
-                    f"{path}/cache-config?{query}",
-                    body,
-                    "application/json",
-                )
+                call = sender.cache_config_call(deployment, replica.config or {}, name, heartbeat=interval)
+                return _Attempt(replica, "config", 0, replica.config_version, call)
             for index, (version, payload) in replica.engines.items():
                 if replica.engines_delivered.get(index) != version:
-                    return _Attempt(
-                        replica,
-                        "engine",
-                        index,
-                        version,
-                        "POST",
-                        f"{path}/ready?{query}",
-                        payload,
-                        "application/vnd.msgpack",
-                    )
+                    call = sender.ready_call(deployment, payload, "msgpack", name, heartbeat=interval)
+                    return _Attempt(replica, "engine", index, version, call)
         replica = min(self._replicas.values(), key=lambda replica: replica.next_heartbeat, default=None)
         if replica is None or replica.next_heartbeat > now:
             return math.inf if replica is None else replica.next_heartbeat - now
-        path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
-        return _Attempt(
-            replica, "heartbeat", 0, 0, "POST", f"{path}/heartbeat?{self._query(replica, 'interval')}", b"", None
-        )
-
-    def _query(self, replica: _Replica, interval_name: str) -> str:
-        return urllib.parse.urlencode({"replica": replica.name, interval_name: f"{self._target.heartbeat_seconds:g}"})
+        return _Attempt(replica, "heartbeat", 0, 0, sender.heartbeat_call(replica.deployment, replica.name, interval))
 
     def _make(self, attempt: _Attempt) -> None:
         """Make one request and record what came of it."""
-        try:
-            self._send(attempt.method, attempt.path, attempt.body, attempt.content_type)
-        except _Unreachable as failure:
+        outcome = self._send(attempt.call)
+        if isinstance(outcome, sender.Unreachable) or (
+            isinstance(outcome, sender.Refused) and outcome.status in RETRY_STATUSES
+        ):
             with self._condition:
                 self._retry_at = time.monotonic() + self._delay
                 self._delay = min(2 * self._delay, MAX_RETRY_SECONDS, self._target.heartbeat_seconds)
-            self._report(str(failure))
+            self._report(self._described(attempt.call, outcome))
             return
-        except _Refused as refusal:
-            if attempt.kind == "heartbeat" and refusal.status == 404:
+        if isinstance(outcome, sender.Refused):
+            if attempt.kind == "heartbeat" and outcome.status == 404:
                 self._not_held(attempt.replica)
                 return
-            if attempt.kind == "config" and refusal.field_name and 400 <= refusal.status < 500:
-                self._refused(attempt.replica, refusal)
+            if attempt.kind == "config" and outcome.field and 400 <= outcome.status < 500:
+                self._refused(attempt.replica, outcome)
             else:
-                self._report(str(refusal))
+                self._report(self._described(attempt.call, outcome))
             self._done(attempt, accepted=False)
             return
         self._done(attempt, accepted=True)
@@ -487,65 +436,51 @@ class Delivery:
         for replica in list(self._replicas.values()):
             if not replica.held:
                 continue
-            path = f"/api/v1/deployments/{urllib.parse.quote(replica.deployment, safe='/')}"
-            query = urllib.parse.urlencode({"replica": replica.name})
-            try:
-                self._send("DELETE", f"{path}?{query}", None, None)
-            except (_Unreachable, _Refused) as failure:
-                logger.debug("cache-config-exporter: goodbye failed: %s", self._redacted(str(failure)))
+            call = sender.goodbye_call(replica.deployment, replica.name)
+            outcome = self._send(call)
+            if not isinstance(outcome, sender.Accepted):
+                logger.debug(
+                    "cache-config-exporter: goodbye failed: %s", self._redacted(self._described(call, outcome))
+                )
 
-    def _send(self, method: str, path: str, body: bytes | None, content_type: str | None) -> None:
-        """One request; raises ``_Unreachable`` when trying again may help, ``_Refused`` when it cannot."""
-        url = f"{self.url}{path}"
-        headers = {"User-Agent": _USER_AGENT}
-        if content_type:
-            headers["Content-Type"] = content_type
-        request = urllib.request.Request(url, data=body, method=method, headers=headers)
-        for name, value in self._authorization().items():
-            # Unredirected: a redirect to another host never carries the token.
-            request.add_unredirected_header(name, value)
+    def _send(self, call: sender.Call) -> sender.Outcome:
+        """One request, with the token as it is now; a token that cannot be sent counts as unreachable."""
         try:
-            with urllib.request.urlopen(request, timeout=self._target.timeout_seconds) as response:
-                response.read()
-        except urllib.error.HTTPError as error:
-            with error:
-                problem = _problem(error)
-            detail = str(problem.get("detail") or "")[:200]
-            message = f"{method} {url}: HTTP {error.code}" + (f": {detail}" if detail else "")
-            if error.code in RETRY_STATUSES:
-                raise _Unreachable(message) from None
-            field_name = problem.get("field")
-            raise _Refused(error.code, message, str(field_name) if field_name else None, detail) from None
-        except (OSError, http.client.HTTPException) as error:
-            raise _Unreachable(f"{method} {url}: {getattr(error, 'reason', None) or error}") from None
+            authorization = self._authorization()
+        except sender.TokenError as error:
+            return sender.Unreachable(str(error))
+        return sender.send(
+            self.url, call, self._target.timeout_seconds, authorization=authorization, client="vllm-plugin"
+        )
 
-    def _authorization(self) -> dict[str, str]:
+    def _described(self, call: sender.Call, outcome: sender.Outcome) -> str:
+        """What came of ``call``, for the log: the request, then the answer."""
+        return f"{call.method} {self.url}{call.path}: {outcome}"
+
+    def _authorization(self) -> str | None:
         """The bearer header, from the token file (read afresh, so it may rotate) or the token variable."""
         token = self._target.token
         if self._target.token_file:
             try:
-                with open(self._target.token_file, encoding="utf-8") as file:
-                    token = file.read().strip()
-            except (OSError, UnicodeDecodeError) as error:
-                raise _Unreachable(f"cannot read {TOKEN_FILE_VARIABLE} {self._target.token_file}: {error}") from None
+                token = sender.read_token(self._target.token_file)
+            except sender.TokenError as error:
+                raise sender.TokenError(f"cannot read {TOKEN_FILE_VARIABLE} {error}") from None
         if not token:
-            return {}
+            return None
         self._token = token
-        if not _BEARER_TOKEN.fullmatch(token):
-            raise _Unreachable("the token has characters a bearer token cannot have (whitespace or non-ASCII)")
-        return {"Authorization": f"Bearer {token}"}
+        return sender.bearer(token)
 
-    def _refused(self, replica: _Replica, refusal: _Refused) -> None:
+    def _refused(self, replica: _Replica, refusal: sender.Refused) -> None:
         """One warning per refused field and reason: the value is neither dropped silently nor converted."""
-        if (refusal.field_name or "", refusal.detail) in self._refusals:
+        if (refusal.field or "", refusal.detail) in self._refusals:
             return
-        self._refusals.add((refusal.field_name or "", refusal.detail))
+        self._refusals.add((refusal.field or "", refusal.detail))
         logger.warning(
             "cache-config-exporter: %s refused the cache config of %r because of field %r: %s. "
             "Its ready responses are still forwarded, but the exporter does not show this field as vLLM has it.",
             self.url,
             replica.deployment,
-            refusal.field_name,
+            refusal.field,
             refusal.detail,
         )
 
@@ -644,15 +579,6 @@ class Forwarder:
         for thread in [delivery.close() for delivery in self.deliveries]:
             if thread is not None:
                 thread.join()
-
-
-def _problem(error: urllib.error.HTTPError) -> dict[str, Any]:
-    """The exporter's problem document (``detail``, and ``field`` for a refused field), or an empty one."""
-    try:
-        problem = json.loads(error.read(4096))
-    except (OSError, ValueError):
-        return {}
-    return problem if isinstance(problem, dict) else {}
 
 
 def _wrap(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:

@@ -3,7 +3,7 @@
 Free of web and metrics imports, so that an engine-side sender can use it alone.
 """
 
-from protocol.errors import InvalidPayload, SyncConflict
+from protocol.errors import InvalidPayload, MalformedPayload, SyncConflict
 from protocol.labels import decode_static_labels
 from protocol.ready_response import (
     EngineCoreReadyResponse,
@@ -19,6 +19,7 @@ __all__ = [
     "EngineCoreReadyResponse",
     "EngineFigures",
     "InvalidPayload",
+    "MalformedPayload",
     "Release",
     "SyncConflict",
     "SyncedConfig",

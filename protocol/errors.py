@@ -12,12 +12,13 @@ _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
 class InvalidPayload(ValueError):
     """Data that does not fit the schema; ``field`` is a path such as ``$.block_size``."""
 
-    def __init__(self, field: str, reason: str, malformed: bool = False) -> None:
+    # Not even well-formed msgpack/JSON/TOML, as opposed to well-formed data of the wrong shape.
+    malformed = False
+
+    def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{reason} (at {field})")
         self.field = field
         self.reason = reason
-        # Not even well-formed msgpack/JSON/TOML, as opposed to well-formed data of the wrong shape.
-        self.malformed = malformed
 
     @classmethod
     def from_msgspec(cls, error: msgspec.DecodeError) -> InvalidPayload:
@@ -30,7 +31,14 @@ class InvalidPayload(ValueError):
         unknown = _UNKNOWN_FIELD.fullmatch(reason)
         if unknown:
             path = f"{path}.{unknown.group(1)}"
-        return cls(path, reason, malformed=not isinstance(error, msgspec.ValidationError))
+        kind = cls if isinstance(error, msgspec.ValidationError) else MalformedPayload
+        return kind(path, reason)
+
+
+class MalformedPayload(InvalidPayload):
+    """Bytes that are not well-formed msgpack, JSON, TOML or YAML at all."""
+
+    malformed = True
 
 
 class SyncConflict(InvalidPayload):

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import InvalidPayload
+from protocol.errors import InvalidPayload, MalformedPayload
 from protocol.ready_response import LABEL_NAME_PATTERN, MAX_LABEL_VALUE, MAX_LABELS
 
 # Label values as a person may write them; strings pass through unchanged.
@@ -57,13 +57,13 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
 def decode_static_labels(data: bytes, document_format: str = "json") -> dict[str, str]:
     """Labels from a JSON, TOML or YAML object; names are checked, values rendered as vLLM renders them."""
     if not data.strip():
-        raise InvalidPayload("$", "the body is empty: expected an object of labels", malformed=True)
+        raise MalformedPayload("$", "the body is empty: expected an object of labels")
     try:
         document = _decoders[document_format](data)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
     except RecursionError:
-        raise InvalidPayload("$", "nested too deeply", malformed=True) from None
+        raise MalformedPayload("$", "nested too deeply") from None
     # str() of the Python value vLLM would hold: JSON ``true`` is ``True``, ``[]`` is ``[]``.
     return check_labels({name: str(value) for name, value in document.items()})
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from protocol.errors import InvalidPayload
+from protocol.errors import InvalidPayload, MalformedPayload
 from protocol.releases import newest
 
 # Bounds that no real engine comes near; they turn corrupt or hostile numbers
@@ -125,7 +125,7 @@ _encoder = msgspec.msgpack.Encoder()
 def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineCoreReadyResponse:
     """Decode one ready response from msgpack (vLLM's wire format) or JSON."""
     if not payload:
-        raise InvalidPayload("$", "the body is empty: expected one ready response", malformed=True)
+        raise MalformedPayload("$", "the body is empty: expected one ready response")
     try:
         # The whole payload must be well-formed, unknown keys included: it is kept and shown as sent.
         _raw_decoders[wire_format].decode(payload)
@@ -133,7 +133,7 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
     except RecursionError:  # msgspec's depth guard, e.g. deeply nested values of an unknown (skipped) key
-        raise InvalidPayload("$", "nested too deeply", malformed=True) from None
+        raise MalformedPayload("$", "nested too deeply") from None
 
 
 def decode_as_sent(payload: bytes, wire_format: str = MSGPACK) -> Any:

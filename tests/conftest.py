@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from exporter.service import create_app
 from exporter.settings import Settings
-from tests.reliability import pytest_terminal_summary  # noqa: F401  (prints the reliability figures)
+from tests.helpers.figures import pytest_terminal_summary  # noqa: F401  (prints the figures tests record)
 from tests.support import ExporterProcess
 
 

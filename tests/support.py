@@ -1,4 +1,4 @@
-"""Helpers the tests share: fixture data, free ports, a real exporter process, system binaries."""
+"""What nearly every test needs: fixture data, free ports, polling, system binaries, a real exporter process."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+
+from tests.helpers.http import request
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-ready"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -52,14 +51,18 @@ def wait_until(condition: Callable[[], Any], timeout: float = 15.0, interval: fl
         time.sleep(interval)
 
 
+def unavailable(reason: str) -> NoReturn:
+    """Skip for a reason outside the test's control; in CI (root, every package .ci/run installs) fail instead."""
+    if IN_CI:
+        pytest.fail(f"{reason}: CI must run this test")
+    pytest.skip(reason)
+
+
 def require_binary(name: str) -> str:
     """Path of a system binary; skips without it, but fails in CI, where .ci/run installs it."""
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed (apt-get install the package that has it; .ci/run does)"
-        if IN_CI:
-            pytest.fail(f"{message}: CI must run this test")
-        pytest.skip(message)
+        unavailable(f"{name} is not installed (apt-get install the package that has it; .ci/run does)")
     return path
 
 
@@ -104,8 +107,7 @@ class ExporterProcess:
         if self.process.poll() is not None:
             raise AssertionError(f"exporter exited with {self.process.returncode}:\n{self.log.read_text()}")
         try:
-            with urllib.request.urlopen(f"{self.url}/-/healthy", timeout=1, context=self.tls) as response:
-                return response.status == 200
+            return request(self.url, "GET", "/-/healthy", tls=self.tls, timeout=1).status == 200
         except OSError:
             return False
 
@@ -123,21 +125,3 @@ class ExporterProcess:
     def restart(self) -> ExporterProcess:
         self.stop()
         return self.start()
-
-
-MSGPACK = {"Content-Type": "application/vnd.msgpack"}
-
-
-def samples(exposition: str, name: str) -> list[Sample]:
-    """Every sample named ``name`` (e.g. ``..._total`` for a counter) in a Prometheus text exposition."""
-    families = text_string_to_metric_families(exposition)
-    return [sample for family in families for sample in family.samples if sample.name == name]
-
-
-def info_labels(exposition: str, deployment: str, name: str = "cache_config_info") -> dict[str, dict[str, str]]:
-    """``cache_config_info`` label sets of one deployment, by engine."""
-    return {
-        sample.labels["engine"]: sample.labels
-        for sample in samples(exposition, name)
-        if sample.labels["deployment"] == deployment
-    }

@@ -13,12 +13,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.reliability import MSGPACK_TYPE, call, children, raw_socket, read_until_closed, ready_response
-from tests.support import ExporterProcess, free_port, require_binary, samples, wait_until
+from tests.helpers.exposition import samples
+from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
+from tests.helpers.processes import children
+from tests.helpers.ready_responses import ready_response
+from tests.support import ExporterProcess, free_port, require_binary, wait_until
 
 
 def series(exporter: ExporterProcess) -> set[tuple[str, str, str]]:
-    exposition = call(exporter.url, "GET", "/metrics").body.decode()
+    exposition = request(exporter.url, "GET", "/metrics").body.decode()
     return {
         (deployment, sample.labels.get("engine", ""), sample.name)
         for deployment in ("kept", "gone", "split")
@@ -30,17 +33,17 @@ def series(exporter: ExporterProcess) -> set[tuple[str, str, str]]:
 def test_deletes_stay_deleted_after_a_restart(start_exporter: Callable[..., ExporterProcess]) -> None:
     exporter = start_exporter()
     for deployment, engine in (("kept", 0), ("gone", 0), ("split", 0), ("split", 1)):
-        reply = call(exporter.url, "POST", f"/api/v1/deployments/{deployment}/ready",
-                     ready_response(engine, 10 + engine, 2, instance_id=deployment), MSGPACK_TYPE)  # fmt: skip
+        reply = request(exporter.url, "POST", f"/api/v1/deployments/{deployment}/ready",
+                        ready_response(engine, 10 + engine, 2, instance_id=deployment), MSGPACK)  # fmt: skip
         assert reply.status == 200, reply.body[:300]
-    assert call(exporter.url, "DELETE", "/api/v1/deployments/gone").status == 204
-    assert call(exporter.url, "DELETE", "/api/v1/deployments/split/engines/1").status == 200
+    assert request(exporter.url, "DELETE", "/api/v1/deployments/gone").status == 204
+    assert request(exporter.url, "DELETE", "/api/v1/deployments/split/engines/1").status == 200
     before = series(exporter)
     assert {(deployment, engine) for deployment, engine, _ in before} == {("kept", "0"), ("split", "0")}
     exporter.restart()
     assert series(exporter) == before
-    assert call(exporter.url, "GET", "/api/v1/deployments/gone").status == 404
-    engines = call(exporter.url, "GET", "/api/v1/deployments/split").json()["engines"]
+    assert request(exporter.url, "GET", "/api/v1/deployments/gone").status == 404
+    engines = request(exporter.url, "GET", "/api/v1/deployments/split").json()["engines"]
     assert [engine["engine"] for engine in engines] == [0]
 
 
@@ -58,7 +61,7 @@ def test_every_acknowledged_commit_is_fsynced(tmp_path: Path) -> None:
         wait_until(lambda: _answers(url), timeout=30)
         synced = trace.read_text().count("sync(")
         for blocks in range(1, 6):  # one at a time: each its own commit
-            assert call(url, "POST", "/api/v1/ready", ready_response(0, blocks, 1), MSGPACK_TYPE).status == 200
+            assert request(url, "POST", "/api/v1/ready", ready_response(0, blocks, 1), MSGPACK).status == 200
         per_commit = (trace.read_text().count("sync(") - synced) / 5
     finally:
         for child in children(process.pid):  # the exporter, traced by strace
@@ -69,7 +72,7 @@ def test_every_acknowledged_commit_is_fsynced(tmp_path: Path) -> None:
 
 def _answers(url: str) -> bool:
     try:
-        return call(url, "GET", "/-/healthy", timeout=1).status == 200
+        return request(url, "GET", "/-/healthy", timeout=1).status == 200
     except OSError:
         return False
 
@@ -112,10 +115,10 @@ def test_engines_disagreeing_on_data_parallel_size_show_the_largest(
 ) -> None:
     exporter = start_exporter()
     for engine, size in ((0, 2), (1, 4)):
-        reply = call(exporter.url, "POST", "/api/v1/deployments/split/ready", ready_response(engine, 5, size),
-                     MSGPACK_TYPE)  # fmt: skip
+        reply = request(exporter.url, "POST", "/api/v1/deployments/split/ready", ready_response(engine, 5, size),
+                        MSGPACK)  # fmt: skip
         assert reply.status == 200, reply.body[:300]
-    exposition = call(exporter.url, "GET", "/metrics").body.decode()
+    exposition = request(exporter.url, "GET", "/metrics").body.decode()
     (parallel,) = samples(exposition, "cache_config_data_parallel_size")
     assert parallel.labels == {"deployment": "split", "replica": "default"} and parallel.value == 4
     assert {sample.labels["engine"] for sample in samples(exposition, "cache_config_info")} == {"0", "1"}

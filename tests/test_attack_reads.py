@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sqlite3
 import threading
 import time
@@ -10,22 +9,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from tests.reliability import (
-    MSGPACK_TYPE,
-    HealthWatch,
-    call,
-    exporter_sample,
-    ready_response,
-    record,
-    recovery_seconds,
-)
-from tests.support import ExporterProcess, samples
+from tests.helpers.exposition import samples, single_value
+from tests.helpers.figures import record
+from tests.helpers.health import HealthWatch, recovery_seconds
+from tests.helpers.http import MSGPACK, raw_socket, request
+from tests.helpers.ready_responses import ready_response
+from tests.support import ExporterProcess
 
 
 def populate(exporter: ExporterProcess, deployments: int) -> None:
     def ingest(index: int) -> int:
         path = f"/api/v1/deployments/fleet-{index:05d}/ready"
-        return call(exporter.url, "POST", path, ready_response(0, index + 1, 1), MSGPACK_TYPE).status
+        return request(exporter.url, "POST", path, ready_response(0, index + 1, 1), MSGPACK).status
 
     with ThreadPoolExecutor(4) as pool:
         assert set(pool.map(ingest, range(deployments))) == {200}
@@ -38,7 +33,7 @@ def hang_up_requests(url: str, count: int) -> int:
     sent = 0
     for _ in range(count):
         try:
-            with socket.create_connection((parts.hostname, parts.port), timeout=5) as connection:
+            with raw_socket(url) as connection:
                 connection.sendall(request)
         except OSError:
             continue
@@ -51,7 +46,7 @@ def test_a_burst_on_the_deployments_list_leaves_the_exporter_responsive(
 ) -> None:
     exporter = start_exporter()
     populate(exporter, 1000)
-    size = len(call(exporter.url, "GET", "/api/v1/deployments").body)
+    size = len(request(exporter.url, "GET", "/api/v1/deployments").body)
     sent: list[int] = []
     with HealthWatch(exporter.url) as watch:
         burst = [threading.Thread(target=lambda: sent.append(hang_up_requests(exporter.url, 1000))) for _ in range(2)]
@@ -61,8 +56,8 @@ def test_a_burst_on_the_deployments_list_leaves_the_exporter_responsive(
             thread.join(timeout=120)
         ingest_started = time.monotonic()
         try:
-            ingested = call(exporter.url, "POST", "/api/v1/deployments/fleet-00000/ready", ready_response(0, 7, 1),
-                            MSGPACK_TYPE).status  # fmt: skip
+            ingested = request(exporter.url, "POST", "/api/v1/deployments/fleet-00000/ready", ready_response(0, 7, 1),
+                               MSGPACK).status  # fmt: skip
         except TimeoutError:
             ingested = 0
         ingest_seconds = time.monotonic() - ingest_started
@@ -76,21 +71,21 @@ def test_a_burst_on_the_deployments_list_leaves_the_exporter_responsive(
 def test_the_deployments_list_pages_by_name(start_exporter: Callable[..., ExporterProcess]) -> None:
     exporter = start_exporter()
     populate(exporter, 30)
-    everything = call(exporter.url, "GET", "/api/v1/deployments").json()
-    assert "link" not in call(exporter.url, "GET", "/api/v1/deployments").headers
+    everything = request(exporter.url, "GET", "/api/v1/deployments").json()
+    assert "link" not in request(exporter.url, "GET", "/api/v1/deployments").headers
     pages, path = [], "/api/v1/deployments?limit=7"
     while path:
-        reply = call(exporter.url, "GET", path)
+        reply = request(exporter.url, "GET", path)
         assert reply.status == 200
         pages.append(reply.json())
         link = reply.headers.get("link", "")
         path = link.removeprefix("<").partition(">")[0] if 'rel="next"' in link else ""
     assert [len(page) for page in pages] == [7, 7, 7, 7, 2]
     assert [deployment for page in pages for deployment in page] == everything
-    after = call(exporter.url, "GET", "/api/v1/deployments?after=fleet-00027").json()
+    after = request(exporter.url, "GET", "/api/v1/deployments?after=fleet-00027").json()
     assert [deployment["deployment"] for deployment in after] == ["fleet-00028", "fleet-00029"]
     for bad in ("limit=0", "limit=abc", "limit=100000"):
-        assert call(exporter.url, "GET", f"/api/v1/deployments?{bad}").status == 422
+        assert request(exporter.url, "GET", f"/api/v1/deployments?{bad}").status == 422
 
 
 def test_reads_with_several_workers_take_no_write_lock(
@@ -104,16 +99,16 @@ def test_reads_with_several_workers_take_no_write_lock(
     stale = 0
     try:
         for blocks in (1, 2, 3):
-            assert call(exporter.url, "POST", "/api/v1/deployments/shared/ready", ready_response(0, blocks, 1),
-                        MSGPACK_TYPE).status == 200  # fmt: skip
+            assert request(exporter.url, "POST", "/api/v1/deployments/shared/ready", ready_response(0, blocks, 1),
+                           MSGPACK).status == 200  # fmt: skip
             blocker.execute("BEGIN IMMEDIATE")  # another process writing, for as long as the reads below take
             for path in ("/metrics", "/api/v1/deployments/shared", "/-/ready", "/metrics"):
                 started = time.monotonic()
-                reply = call(exporter.url, "GET", path)
+                reply = request(exporter.url, "GET", path)
                 latencies.append(time.monotonic() - started)
                 statuses.append(reply.status)
                 if path == "/metrics":
-                    healthy.append(exporter_sample(reply.body.decode(), "cache_config_exporter_storage_healthy"))
+                    healthy.append(single_value(reply.body.decode(), "cache_config_exporter_storage_healthy"))
                     shown = [sample.value for sample in samples(reply.body.decode(), "cache_config_num_gpu_blocks")]
                     stale += shown != [blocks]
             blocker.execute("ROLLBACK")

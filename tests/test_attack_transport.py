@@ -17,19 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.reliability import (
-    BULKY_STATIC_CONFIG,
-    MSGPACK_TYPE,
-    HealthWatch,
-    call,
-    memory_kib,
-    raw_socket,
-    read_until_closed,
-    ready_response,
-    record,
-    recovery_seconds,
-)
-from tests.support import ExporterProcess, samples, wait_until
+from tests.helpers.exposition import samples
+from tests.helpers.figures import record
+from tests.helpers.health import HealthWatch, recovery_seconds
+from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
+from tests.helpers.processes import memory_kib
+from tests.helpers.ready_responses import BULKY_STATIC_CONFIG, ready_response
+from tests.support import ExporterProcess, wait_until
 
 
 def settings_env(**flags: str) -> dict[str, str]:
@@ -103,7 +97,7 @@ def test_slow_header_clients_are_dropped_after_the_header_timeout(
     try:
         for connection in connections:
             connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Half: ")
-        assert call(exporter.url, "GET", "/-/healthy").status == 503  # the slots are taken
+        assert request(exporter.url, "GET", "/-/healthy").status == 503  # the slots are taken
         started = time.monotonic()
         recovered = _served_within(exporter.url, 8.0)
         recovery = time.monotonic() - started
@@ -121,7 +115,7 @@ def test_slow_header_clients_are_dropped_after_the_header_timeout(
 def _served_within(url: str, seconds: float) -> bool:
     """Whether ``/-/healthy`` answers 200 within ``seconds`` from now (polled)."""
     try:
-        wait_until(lambda: call(url, "GET", "/-/healthy").status == 200, timeout=seconds)
+        wait_until(lambda: request(url, "GET", "/-/healthy").status == 200, timeout=seconds)
     except AssertionError:
         return False
     return True
@@ -146,11 +140,11 @@ def test_sigterm_ends_in_the_shutdown_timeout_while_a_client_stalls_a_large_scra
     exporter = start_exporter("--web.workers", str(workers), env=settings_env(web_shutdown_timeout="2"))
     assert exporter.process is not None
     json_type = {"Content-Type": "application/json"}
-    assert call(exporter.url, "PUT", "/api/v1/deployments/bulky/cache-config", BULKY_STATIC_CONFIG.encode(),
-                json_type).status == 200  # fmt: skip
+    assert request(exporter.url, "PUT", "/api/v1/deployments/bulky/cache-config", BULKY_STATIC_CONFIG.encode(),
+                   json_type).status == 200  # fmt: skip
     for engine in range(128):  # about 8 MiB of exposition: more than the socket buffers hold
-        reply = call(exporter.url, "POST", "/api/v1/deployments/bulky/ready",
-                     ready_response(engine, engine + 1, 128, instance_id="bulky"), MSGPACK_TYPE)  # fmt: skip
+        reply = request(exporter.url, "POST", "/api/v1/deployments/bulky/ready",
+                        ready_response(engine, engine + 1, 128, instance_id="bulky"), MSGPACK)  # fmt: skip
         assert reply.status == 200, reply.body[:300]
     acknowledged: list[int] = []
     stop = threading.Event()
@@ -160,8 +154,8 @@ def test_sigterm_ends_in_the_shutdown_timeout_while_a_client_stalls_a_large_scra
             if stop.is_set():
                 return
             try:
-                reply = call(exporter.url, "POST", "/api/v1/deployments/steady/ready",
-                             ready_response(0, blocks, 1), MSGPACK_TYPE, timeout=5)  # fmt: skip
+                reply = request(exporter.url, "POST", "/api/v1/deployments/steady/ready",
+                                ready_response(0, blocks, 1), MSGPACK, timeout=5)  # fmt: skip
             except OSError:
                 return
             if reply.status == 200:
@@ -184,7 +178,7 @@ def test_sigterm_ends_in_the_shutdown_timeout_while_a_client_stalls_a_large_scra
            exit_seconds=round(seconds, 2), acknowledged=len(acknowledged))  # fmt: skip
     assert code == 0 and seconds < 5, (code, seconds)
     exporter.start()
-    exposition = call(exporter.url, "GET", "/metrics").body.decode()
+    exposition = request(exporter.url, "GET", "/metrics").body.decode()
     (stored,) = [sample.value for sample in samples(exposition, "cache_config_num_gpu_blocks")
                  if sample.labels["deployment"] == "steady"]  # fmt: skip
     assert stored >= max(acknowledged), "an acknowledged ingest was lost"

@@ -8,7 +8,6 @@ import re
 import secrets
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from exporter.cli import ENV_PREFIX, build_parser
-from tests.ecosystem import RULES
+from exporter.cli import build_parser
+from exporter.settings import ENV_PREFIX
+from tests.helpers.http import request
+from tests.helpers.prometheus import RULES
 from tests.support import ExporterProcess, require_binary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,8 +122,7 @@ def test_the_statefulset_settings_start_an_exporter_that_answers_its_probes(
     environment.pop("CACHE_CONFIG_EXPORTER_STORAGE_PATH")  # and a temp storage file
     exporter = start_exporter(env={**os.environ, **environment}, host="0.0.0.0")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        with urllib.request.urlopen(f"{exporter.url}{container[probe]['httpGet']['path']}", timeout=5) as answer:
-            assert answer.status == 200
+        assert request(exporter.url, "GET", container[probe]["httpGet"]["path"], timeout=5).status == 200
 
 
 def unit_with_installed_command(tmp_path: Path) -> Path:

@@ -12,20 +12,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ecosystem import (
+from tests.helpers.exposition import sample_names, scrape
+from tests.helpers.prometheus import (
     DASHBOARD,
     DOCKER,
     REPO,
     RULE_TESTS,
     RULES,
     dashboard_queries,
-    exposed_names,
-    get,
     metric_names,
     promtool,
-    push,
 )
-from tests.support import ExporterProcess, free_port, require_binary
+from tests.helpers.ready_responses import push_ready
+from tests.support import ExporterProcess, fixture_bytes, free_port, require_binary
 
 # Series that Prometheus makes itself for every target rather than scraping them.
 SCRAPE_SERIES = {"up"}
@@ -68,8 +67,8 @@ def scraped_names(start_exporter: Callable[..., ExporterProcess]) -> set[str]:
     """Every sample name of a real scrape, with ready responses that fill every gauge pushed first."""
     exporter = start_exporter()
     for fixture in ("hybrid-tp1-post50809", "dp2-rank0", "dp2-rank1"):
-        push(exporter, fixture, fixture.split("-")[0])
-    return exposed_names(get(f"{exporter.url}/metrics")[1].decode())
+        push_ready(exporter.url, fixture.split("-")[0], fixture_bytes(fixture))
+    return sample_names(scrape(exporter.url))
 
 
 def test_the_dashboard_only_queries_metrics_the_exporter_exposes(scraped_names: set[str]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ecosystem import DOCKER
+from tests.helpers.prometheus import DOCKER
 from tests.support import IN_CI
 
 SKIPPED = 77

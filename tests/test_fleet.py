@@ -5,30 +5,19 @@ Everything runs against a real exporter process over HTTP on loopback.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 
 import msgspec
 
 from protocol import releases
-from tests.release_payloads import ready_payload
-from tests.support import MSGPACK, ExporterProcess, samples, wait_until
+from tests.helpers.exposition import samples, scrape
+from tests.helpers.http import MSGPACK, request
+from tests.helpers.ready_responses import push_ready
+from tests.helpers.release_payloads import ready_payload
+from tests.support import ExporterProcess, wait_until
 
 NEWEST = releases()[-1]
-
-
-def request(
-    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, bytes]:
-    call = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(call, timeout=10) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
 
 
 def push(exporter: ExporterProcess, replica: str, rank: int, *, instance: str = "run-1", heartbeat: float | None = None,
@@ -37,15 +26,7 @@ def push(exporter: ExporterProcess, replica: str, rank: int, *, instance: str = 
         NEWEST, data_parallel_size=2, data_parallel_rank=rank, instance_id=instance, num_gpu_blocks=blocks
     )
     query = f"?replica={replica}" + (f"&heartbeat={heartbeat}" if heartbeat else "")
-    status, body = request("POST", f"{exporter.url}/api/v1/deployments/qwen/ready{query}", payload, MSGPACK)
-    assert status == 200, body
-    return json.loads(body)
-
-
-def scrape(exporter: ExporterProcess) -> str:
-    status, body = request("GET", f"{exporter.url}/metrics")
-    assert status == 200
-    return body.decode()
+    return push_ready(exporter.url, "qwen", payload, query)
 
 
 def by_replica(exposition: str, name: str) -> dict[tuple[str, str], float]:
@@ -58,7 +39,7 @@ def by_replica(exposition: str, name: str) -> dict[tuple[str, str], float]:
 
 
 def replicas_shown(exporter: ExporterProcess) -> set[str]:
-    return {replica for replica, _ in by_replica(scrape(exporter), "cache_config_last_seen_timestamp_seconds")}
+    return {replica for replica, _ in by_replica(scrape(exporter.url), "cache_config_last_seen_timestamp_seconds")}
 
 
 def test_replicas_sync_on_their_own_and_a_restart_replaces_only_its_own_engines(
@@ -68,7 +49,7 @@ def test_replicas_sync_on_their_own_and_a_restart_replaces_only_its_own_engines(
     for number, replica in enumerate(("a", "b", "c")):
         for rank in (0, 1):
             push(exporter, replica, rank, blocks=1000 * (number + 1) + rank)
-    info = scrape(exporter)
+    info = scrape(exporter.url)
     totals = {
         (s.labels["replica"], s.labels["engine"]): s.labels["num_gpu_blocks"]
         for s in samples(info, "cache_config_info")
@@ -80,7 +61,7 @@ def test_replicas_sync_on_their_own_and_a_restart_replaces_only_its_own_engines(
     assert sum(blocks.values()) == sum(int(total) for (r, e), total in totals.items() if e == "0")
 
     push(exporter, "b", 0, instance="run-2", blocks=7)
-    after = by_replica(scrape(exporter), "cache_config_num_gpu_blocks")
+    after = by_replica(scrape(exporter.url), "cache_config_num_gpu_blocks")
     assert after == {**{key: value for key, value in blocks.items() if key[0] != "b"}, ("b", "0"): 7.0}
 
 
@@ -91,7 +72,7 @@ def test_a_replica_without_heartbeats_expires_and_is_counted(start_exporter: Cal
     started = time.monotonic()
     wait_until(lambda: replicas_shown(exporter) == {"one-off"}, timeout=10)
     assert time.monotonic() - started >= 1.5  # two missed intervals of 1 s, not before
-    exposition = scrape(exporter)
+    exposition = scrape(exporter.url)
     assert samples(exposition, "cache_config_exporter_replicas_expired_total")[0].value == 1
     assert not [s for s in samples(exposition, "cache_config_info") if s.labels["replica"] == "silent"]
 
@@ -101,22 +82,22 @@ def test_heartbeats_keep_a_replica_and_a_goodbye_removes_it_at_once(
 ) -> None:
     exporter = start_exporter("--expiry.missed-heartbeats", "2")
     push(exporter, "alive", 0, heartbeat=1)
-    heartbeat = f"{exporter.url}/api/v1/deployments/qwen/heartbeat?replica=alive&interval=1"
+    heartbeat = "/api/v1/deployments/qwen/heartbeat?replica=alive&interval=1"
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:  # heartbeats every 0.5 s for twice the expiry period
-        assert request("POST", heartbeat, b"")[0] == 204
+        assert request(exporter.url, "POST", heartbeat, b"").status == 204
         time.sleep(0.5)
         assert "alive" in replicas_shown(exporter)
-    assert request("DELETE", f"{exporter.url}/api/v1/deployments/qwen?replica=alive")[0] == 204
+    assert request(exporter.url, "DELETE", "/api/v1/deployments/qwen?replica=alive").status == 204
     assert replicas_shown(exporter) == set()
-    assert samples(scrape(exporter), "cache_config_exporter_replicas_expired_total")[0].value == 0
+    assert samples(scrape(exporter.url), "cache_config_exporter_replicas_expired_total")[0].value == 0
 
 
 def test_a_heartbeat_for_an_unknown_replica_asks_for_its_state(start_exporter: Callable[..., ExporterProcess]) -> None:
     exporter = start_exporter()
-    status, body = request("POST", f"{exporter.url}/api/v1/deployments/qwen/heartbeat?replica=new&interval=30", b"")
-    assert status == 404
-    assert json.loads(body)["field"] == "replica"
+    reply = request(exporter.url, "POST", "/api/v1/deployments/qwen/heartbeat?replica=new&interval=30", b"")
+    assert reply.status == 404
+    assert reply.json()["field"] == "replica"
 
 
 def test_expiry_survives_a_restart_with_a_full_grace_period(start_exporter: Callable[..., ExporterProcess]) -> None:
@@ -128,9 +109,9 @@ def test_expiry_survives_a_restart_with_a_full_grace_period(start_exporter: Call
     exporter.start()
     restarted = time.monotonic()
     assert replicas_shown(exporter) == {"kept", "dropped"}  # a full period of grace after start-up
-    heartbeat = f"{exporter.url}/api/v1/deployments/qwen/heartbeat?replica=kept&interval=2"
+    heartbeat = "/api/v1/deployments/qwen/heartbeat?replica=kept&interval=2"
     while time.monotonic() - restarted < 7:
-        assert request("POST", heartbeat, b"")[0] == 204
+        assert request(exporter.url, "POST", heartbeat, b"").status == 204
         time.sleep(0.5)
     assert replicas_shown(exporter) == {"kept"}
 
@@ -138,6 +119,6 @@ def test_expiry_survives_a_restart_with_a_full_grace_period(start_exporter: Call
 def test_replica_names_are_checked(start_exporter: Callable[..., ExporterProcess]) -> None:
     exporter = start_exporter()
     payload = ready_payload(NEWEST)
-    status, body = request("POST", f"{exporter.url}/api/v1/deployments/qwen/ready?replica=a%22b", payload, MSGPACK)
-    assert status == 422
-    assert msgspec.json.decode(body)["field"] == "query.replica"
+    reply = request(exporter.url, "POST", "/api/v1/deployments/qwen/ready?replica=a%22b", payload, MSGPACK)
+    assert reply.status == 422
+    assert msgspec.json.decode(reply.body)["field"] == "query.replica"

@@ -20,8 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +28,11 @@ import msgspec
 import pytest
 
 from exporter import vllm_plugin
+from tests.helpers.exposition import samples
+from tests.helpers.figures import record
+from tests.helpers.http import request
 from tests.real_vllm.frontend import HYBRID_RESPONSE, frontend_client
-from tests.reliability import record
-from tests.support import ExporterProcess, samples, wait_until
+from tests.support import ExporterProcess, wait_until
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 STANDIN = Path(__file__).parent / "vllm_standin"
@@ -101,9 +101,9 @@ def later(tmp_path: Path) -> Iterator[Callable[[str], ExporterProcess]]:
 
 
 def get(exporter: ExporterProcess, path: str) -> Any:
-    with urllib.request.urlopen(f"{exporter.url}{path}", timeout=10) as response:
-        body = response.read()
-    return json.loads(body) if path.startswith("/api/") else body.decode()
+    reply = request(exporter.url, "GET", path)
+    assert reply.status == 200, reply.body[:300]
+    return reply.json() if path.startswith("/api/") else reply.text
 
 
 def fleet_state(exporter: ExporterProcess) -> dict[str, tuple[str, dict[str, str], list[Any]]]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import tarfile
-import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.exposition import scrape
+from tests.helpers.http import request
 from tests.support import FIXTURES, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,8 +80,7 @@ def served(installed: Path, tmp_path: Path) -> Iterator[str]:
     def healthy() -> bool:
         assert process.poll() is None, (tmp_path / "serve.log").read_text()
         try:
-            with urllib.request.urlopen(f"{url}/-/healthy", timeout=1) as response:
-                return response.status == 200
+            return request(url, "GET", "/-/healthy", timeout=1).status == 200
         except OSError:
             return False
 
@@ -99,8 +99,7 @@ def test_the_installed_wheel_serves_pushes_and_loads_as_a_vllm_plugin(installed:
         "--url", served, "--deployment", "qwen", cwd=installed,
     )  # fmt: skip
     assert "block_size=1056" in pushed
-    with urllib.request.urlopen(f"{served}/metrics", timeout=10) as response:
-        scraped = response.read().decode()
+    scraped = scrape(served)
     assert 'cache_config_block_size{deployment="qwen",replica="default",engine="0"} 1056.0' in scraped
     # What vLLM does to find general plugins, in the installed environment.
     plugin = run(

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.ecosystem import PrometheusServer, dashboard_queries, get, promtool, push
-from tests.support import MSGPACK, ExporterProcess, fixture_bytes
+from tests.helpers.exposition import scrape
+from tests.helpers.prometheus import PrometheusServer, dashboard_queries, promtool
+from tests.helpers.ready_responses import push_ready
+from tests.support import ExporterProcess, fixture_bytes
 
 ENGINE = 'deployment="qwen",engine="0"'
-
-
-def request_ready(exporter: ExporterProcess, deployment: str, replica: str, heartbeat: float) -> tuple[int, bytes]:
-    """Push the hybrid fixture as one replica that promises heartbeats every ``heartbeat`` seconds."""
-    url = f"{exporter.url}/api/v1/deployments/{deployment}/ready?replica={replica}&heartbeat={heartbeat}"
-    call = urllib.request.Request(url, data=fixture_bytes("hybrid-tp1-post50809"), method="POST", headers=MSGPACK)
-    with urllib.request.urlopen(call, timeout=10) as answer:
-        return answer.status, answer.read()
 
 
 @pytest.fixture
@@ -46,8 +39,8 @@ def test_prometheus_ingests_the_true_block_sizes_and_a_changed_config_replaces_t
     exporter = start_exporter()
     prometheus = start_prometheus(exporter)
     first_push = time.time()
-    push(exporter, "hybrid-tp1-post50809", "qwen")
-    push(exporter, "dense-post50809", "dense")
+    push_ready(exporter.url, "qwen", fixture_bytes("hybrid-tp1-post50809"))
+    push_ready(exporter.url, "dense", fixture_bytes("dense-post50809"))
 
     (hybrid,) = prometheus.wait_for('cache_config_info{block_size="1056",mamba_block_size="1056"}')
     assert hybrid["metric"]["deployment"] == "qwen"
@@ -60,7 +53,7 @@ def test_prometheus_ingests_the_true_block_sizes_and_a_changed_config_replaces_t
 
     # The same engine re-reports at TP=4: block sizes 528. The 1056 series must go stale at the
     # very scrape that shows 528, so that no two series of one engine ever overlap.
-    push(exporter, "hybrid-tp4-post50809", "qwen")
+    push_ready(exporter.url, "qwen", fixture_bytes("hybrid-tp4-post50809"))
     prometheus.wait_for(f'cache_config_info{{{ENGINE},block_size="528"}}')
     (current,) = prometheus.query(f"cache_config_info{{{ENGINE}}}")
     assert (current["metric"]["block_size"], current["metric"]["mamba_block_size"]) == ("528", "528")
@@ -87,9 +80,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     start_prometheus: Callable[[ExporterProcess], PrometheusServer],
 ) -> None:
     exporter = start_exporter()
-    push(exporter, "hybrid-tp1-post50809", "qwen")
-    push(exporter, "dp2-rank0", "dp2")
-    push(exporter, "dp2-rank1", "dp2")
+    push_ready(exporter.url, "qwen", fixture_bytes("hybrid-tp1-post50809"))
+    push_ready(exporter.url, "dp2", fixture_bytes("dp2-rank0"))
+    push_ready(exporter.url, "dp2", fixture_bytes("dp2-rank1"))
     prometheus = start_prometheus(exporter)
     # Grafana's variables as an "All" selection and a short rate window would expand them.
     queries = [query.replace("$deployment", ".*").replace("$__rate_interval", "10s") for query in dashboard_queries()]
@@ -111,8 +104,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
 def test_promtool_check_metrics_passes_on_a_real_scrape(start_exporter: Callable[..., ExporterProcess]) -> None:
     exporter = start_exporter()
     for fixture in ("hybrid-tp1-post50809", "dense-post50809", "minimal-pre42967", "dp2-rank0", "dp2-rank1"):
-        push(exporter, fixture, f"deployment-{fixture}")
-    _, body = get(f"{exporter.url}/metrics")
+        push_ready(exporter.url, f"deployment-{fixture}", fixture_bytes(fixture))
+    body = scrape(exporter.url).encode()
     assert b"cache_config_info{" in body
     checked = promtool("check", "metrics", stdin=body)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -126,8 +119,8 @@ def test_an_expired_replica_goes_stale_in_prometheus(
     exporter = start_exporter("--expiry.missed-heartbeats", "2")
     prometheus = start_prometheus(exporter)
     prometheus.wait_for('up{job="cache-config-exporter"} == 1')  # scraping before the replica appears
-    status, _ = request_ready(exporter, "qwen", "gpu-1:8000", heartbeat=3)
-    assert status == 200
+    # One replica that promises heartbeats every 3 s.
+    push_ready(exporter.url, "qwen", fixture_bytes("hybrid-tp1-post50809"), "?replica=gpu-1:8000&heartbeat=3")
     prometheus.wait_for('cache_config_info{deployment="qwen",replica="gpu-1:8000"}')
     # No heartbeat follows: after two missed intervals the exporter drops the replica, and the
     # next scrape marks its series stale, so an instant query stops returning them at once.

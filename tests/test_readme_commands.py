@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.reliability import record
+from tests.helpers.figures import record
 from tests.support import IN_CI, require_binary, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,7 +229,8 @@ def test_the_promtool_commands_of_the_alerting_rules(tmp_path: Path) -> None:
 
 
 def test_every_environment_variable_is_in_the_readme() -> None:
-    from exporter.cli import ENV_PREFIX, build_parser
+    from exporter.cli import build_parser
+    from exporter.settings import ENV_PREFIX
 
     read = set()
     for command in ("serve", "push"):

@@ -22,15 +22,15 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from exporter.vllm_plugin import replica_of
-from tests.support import IN_CI, ExporterProcess, free_port, info_labels, samples, wait_until
+from tests.helpers.exposition import info_labels, samples, scrape
+from tests.helpers.http import request
+from tests.support import IN_CI, ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SKIP_VARIABLE = "CACHE_CONFIG_EXPORTER_SKIP_REAL_VLLM"
@@ -138,22 +138,20 @@ class VllmServer:
         if self.process.poll() is not None:
             raise AssertionError(f"vllm serve exited with {self.process.returncode}:\n{self.log_text()[-8000:]}")
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return response.status == 200
+            return request(self.url, "GET", "/health", timeout=2).status == 200
         except OSError:
             return False
 
     def complete(self, model: str) -> dict[str, object]:
         body = json.dumps({"model": model, "prompt": "The block size is", "max_tokens": 4}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        completion = request(
+            self.url, "POST", "/v1/completions", body, {"Content-Type": "application/json"}, timeout=120
         )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.loads(response.read())
+        assert completion.status == 200, completion.body[:500]
+        return completion.json()
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            return response.read().decode()
+        return scrape(self.url)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -190,11 +188,10 @@ def serve(vllm_venv: Path, tmp_path: Path) -> Iterator[Callable[[Path, str], Vll
 def exporter_series(exporter: ExporterProcess, deployment: str) -> str | None:
     """The exporter's exposition once it shows ``deployment``, else None."""
     try:
-        with urllib.request.urlopen(f"{exporter.url}/metrics", timeout=5) as response:
-            exposition = response.read().decode()
-    except urllib.error.URLError:
+        reply = request(exporter.url, "GET", "/metrics", timeout=5)
+    except OSError:
         return None
-    return exposition if info_labels(exposition, deployment) else None
+    return reply.text if reply.status == 200 and info_labels(reply.text, deployment) else None
 
 
 @pytest.mark.slow

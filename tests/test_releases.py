@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 
 from protocol import decode_ready_response, encode_ready_response, release_of, releases
 from protocol.releases import Release, version_key
-from tests.release_payloads import HYBRID, engine_labels, ready_payload, vllm_decode
-from tests.support import MSGPACK, info_labels, samples
+from tests.helpers.exposition import info_labels, samples
+from tests.helpers.http import MSGPACK
+from tests.helpers.release_payloads import HYBRID, engine_labels, ready_payload, vllm_decode
 
 RELEASES = releases()
 SENDS_BLOCK_SIZE = [r for r in RELEASES if "block_size" in r.field_names]

@@ -11,21 +11,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.reliability import (
-    MSGPACK_TYPE,
-    Reply,
-    assert_problem,
-    call,
-    read_only,
-    ready_response,
-    record,
-    rows,
-)
+from tests.helpers.figures import record
+from tests.helpers.http import MSGPACK, Reply, request
+from tests.helpers.ready_responses import ready_response
+from tests.helpers.sqlite_file import read_only, rows
 from tests.support import ExporterProcess, free_port, require_binary
 
 BODY = ready_response(0, 42, 2)
@@ -38,13 +31,9 @@ def secret_file(directory: Path, name: str, content: str) -> Path:
     return path
 
 
-def reply_of(response: Any) -> Reply:
-    return Reply(response.status_code, {k.lower(): v for k, v in response.headers.items()}, response.content)
-
-
 MUTATIONS: list[tuple[str, str, dict[str, str] | None, bytes]] = [
-    ("ingest", "POST", MSGPACK_TYPE, BODY),
-    ("default ingest", "POST", MSGPACK_TYPE, BODY),
+    ("ingest", "POST", MSGPACK, BODY),
+    ("default ingest", "POST", MSGPACK, BODY),
     ("static config", "PUT", {"Content-Type": "application/json"}, b'{"mamba_cache_mode": "align"}'),
     ("forget engine", "DELETE", None, b""),
     ("forget deployment", "DELETE", None, b""),
@@ -64,7 +53,7 @@ def test_every_change_needs_the_ingest_token(
     token = secrets.token_urlsafe(24)
     client = make_client(ingest_token_file=secret_file(tmp_path, "ingest.token", token))
     right = {"Authorization": f"Bearer {token}"}
-    assert client.post(PATHS["ingest"], content=BODY, headers={**MSGPACK_TYPE, **right}).status_code == 200
+    assert client.post(PATHS["ingest"], content=BODY, headers={**MSGPACK, **right}).status_code == 200
     wrong_ones = {
         "no header": {},
         "wrong token": {"Authorization": f"Bearer {secrets.token_urlsafe(24)}"},
@@ -79,8 +68,8 @@ def test_every_change_needs_the_ingest_token(
     refused = 0
     for what, method, headers, body in MUTATIONS:
         for wrong in wrong_ones.values():
-            reply = reply_of(client.request(method, PATHS[what], content=body, headers={**(headers or {}), **wrong}))
-            problem = assert_problem(reply, 401)
+            reply = Reply.of(client.request(method, PATHS[what], content=body, headers={**(headers or {}), **wrong}))
+            problem = reply.problem(401)
             assert reply.headers["www-authenticate"] == 'Bearer realm="ingest"'
             assert problem["field"] == "Authorization"
             refused += 1
@@ -88,7 +77,7 @@ def test_every_change_needs_the_ingest_token(
     for what, method, headers, body in MUTATIONS:
         response = client.request(method, PATHS[what], content=body, headers={**(headers or {}), **right})
         assert response.is_success, (what, response.status_code, response.text)
-    lower_case_scheme = {**MSGPACK_TYPE, "Authorization": f"bearer {token}"}
+    lower_case_scheme = {**MSGPACK, "Authorization": f"bearer {token}"}
     assert client.post(PATHS["ingest"], content=BODY, headers=lower_case_scheme).status_code == 200
     assert client.get("/metrics").status_code == 200  # reading is open unless metrics auth is set
     db.close()
@@ -119,11 +108,11 @@ def test_a_non_loopback_address_starts_with_a_token_or_the_explicit_flag(
     flags = [way] if way.startswith("--web.allow") else [way, str(secret_file(tmp_path, "t", token))]
     exporter = start_exporter(*flags, host="0.0.0.0")  # reached on 127.0.0.1 only, and stopped at once
     try:
-        headers = dict(MSGPACK_TYPE)
+        headers = dict(MSGPACK)
         if way == "--web.ingest-token-file":
-            assert call(exporter.url, "POST", PATHS["ingest"], BODY, headers).status == 401
+            assert request(exporter.url, "POST", PATHS["ingest"], BODY, headers).status == 401
             headers["Authorization"] = f"Bearer {token}"
-        assert call(exporter.url, "POST", PATHS["ingest"], BODY, headers).status == 200
+        assert request(exporter.url, "POST", PATHS["ingest"], BODY, headers).status == 200
     finally:
         assert exporter.stop() == 0
 
@@ -155,13 +144,13 @@ def test_metrics_and_state_can_be_protected(
             "Basic !!!not-base64",
             f"Bearer {password}",
         ]
-    assert client.post(PATHS["ingest"], content=BODY, headers=MSGPACK_TYPE).status_code == 200
+    assert client.post(PATHS["ingest"], content=BODY, headers=MSGPACK).status_code == 200
     challenge = 'Bearer realm="metrics"' if scheme == "bearer" else 'Basic realm="metrics"'
     for path in READS:
         for authorization in [None, *wrong]:
             headers = {"Authorization": authorization} if authorization else {}
-            reply = reply_of(client.get(path, headers=headers))
-            assert_problem(reply, 401)
+            reply = Reply.of(client.get(path, headers=headers))
+            reply.problem(401)
             assert reply.headers["www-authenticate"] == challenge
         assert client.get(path, headers={"Authorization": right}).status_code == 200
     for open_path in ("/-/healthy", "/-/ready"):  # probes of the orchestrator stay open
@@ -188,14 +177,14 @@ def test_tls_with_a_self_signed_certificate(
     trusting = ssl.create_default_context(cafile=str(cert))
     exporter = start_exporter("--web.tls-cert-file", str(cert), "--web.tls-key-file", str(key), tls=trusting)
     assert exporter.url.startswith("https://")
-    assert call(exporter.url, "POST", PATHS["ingest"], BODY, MSGPACK_TYPE, tls=trusting).status == 200
-    scrape = call(exporter.url, "GET", "/metrics", tls=trusting)
+    assert request(exporter.url, "POST", PATHS["ingest"], BODY, MSGPACK, tls=trusting).status == 200
+    scrape = request(exporter.url, "GET", "/metrics", tls=trusting)
     assert scrape.status == 200 and b'deployment="guarded"' in scrape.body
     with pytest.raises(ssl.SSLCertVerificationError):  # it is really that certificate
-        call(exporter.url, "GET", "/metrics", tls=ssl.create_default_context())
+        request(exporter.url, "GET", "/metrics", tls=ssl.create_default_context())
     plain = exporter.url.replace("https://", "http://")
     with pytest.raises((OSError, http.client.HTTPException)):  # and no plain HTTP on that port
-        call(plain, "GET", "/metrics", timeout=5)
+        request(plain, "GET", "/metrics", timeout=5)
     assert exporter.stop() == 0
     record(record_property, "access_tls", https_requests=3, plain_http_refused=1)
 
@@ -215,8 +204,8 @@ def test_secrets_never_appear_in_logs_or_answers(
     guessed_basic = base64.b64encode(f"prometheus:{guesses[2]}".encode()).decode()
     replies = []
     for authorization in (None, f"Bearer {guesses[0]}", f"Bearer {ingest}"):
-        headers = {**MSGPACK_TYPE, **({"Authorization": authorization} if authorization else {})}
-        replies.append(call(exporter.url, "POST", PATHS["ingest"], BODY, headers))
+        headers = {**MSGPACK, **({"Authorization": authorization} if authorization else {})}
+        replies.append(request(exporter.url, "POST", PATHS["ingest"], BODY, headers))
     for authorization in (
         None,
         f"Bearer {guesses[1]}",
@@ -224,7 +213,7 @@ def test_secrets_never_appear_in_logs_or_answers(
         f"Bearer {metrics}",
         f"Basic {basic}",
     ):
-        replies.append(call(exporter.url, "GET", "/metrics", headers={"Authorization": authorization or ""}))
+        replies.append(request(exporter.url, "GET", "/metrics", headers={"Authorization": authorization or ""}))
     assert [reply.status for reply in replies] == [401, 401, 200, 401, 401, 401, 200, 200]
     assert exporter.stop() == 0
     log = exporter.log.read_text()

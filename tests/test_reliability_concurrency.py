@@ -8,17 +8,12 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.reliability import (
-    MSGPACK_TYPE,
-    call,
-    children,
-    connection_owner,
-    engine_blocks,
-    exporter_sample,
-    ready_response,
-    record,
-)
-from tests.support import ExporterProcess, info_labels, samples
+from tests.helpers.exposition import info_labels, samples, single_value
+from tests.helpers.figures import record
+from tests.helpers.http import MSGPACK, request
+from tests.helpers.processes import children, connection_owner
+from tests.helpers.ready_responses import engine_blocks, ready_response
+from tests.support import ExporterProcess
 
 CLIENTS = 32
 DEPLOYMENTS = 8
@@ -41,7 +36,7 @@ def run_client(exporter: ExporterProcess, client: int, statuses: Counter[int], l
         for index, (deployment, engine) in enumerate(slots_of(client)):
             body = ready_response(engine, value_of(client, round_, index), ENGINES)
             path = f"/api/v1/deployments/{deployment}/ready"
-            reply = call(exporter.url, "POST", path, body, MSGPACK_TYPE, timeout=30)
+            reply = request(exporter.url, "POST", path, body, MSGPACK, timeout=30)
             with lock:
                 statuses[reply.status] += 1
 
@@ -63,9 +58,9 @@ def test_many_concurrent_clients_lose_no_update_and_sum_exactly(
         for client in range(CLIENTS)
         for index, slot in enumerate(slots_of(client))
     }
-    state = call(exporter.url, "GET", "/api/v1/deployments").json()
+    state = request(exporter.url, "GET", "/api/v1/deployments").json()
     stored = engine_blocks(state)
-    exposition = call(exporter.url, "GET", "/metrics").body.decode()
+    exposition = request(exporter.url, "GET", "/metrics").body.decode()
     lost = sum(1 for slot, value in final.items() if stored.get(slot) != value)
     per_engine = {
         (sample.labels["deployment"], int(sample.labels["engine"])): sample.value
@@ -77,7 +72,7 @@ def test_many_concurrent_clients_lose_no_update_and_sum_exactly(
         synced = {labels["num_gpu_blocks"] for labels in info_labels(exposition, deployment).values()}
         api = next(item["labels"]["num_gpu_blocks"] for item in state if item["deployment"] == deployment)
         sums_wrong += synced != {str(expected)} or api != str(expected)
-    accepted = exporter_sample(exposition, "cache_config_exporter_ready_responses_accepted_total")
+    accepted = single_value(exposition, "cache_config_exporter_ready_responses_accepted_total")
     figures = {
         "clients": CLIENTS,
         "deployments": DEPLOYMENTS,
@@ -123,9 +118,9 @@ def test_a_scrape_on_any_worker_right_after_a_2xx_shows_it(
         engine, value = iterations % 4, 1000 + iterations
         iterations += 1
         body = ready_response(engine, value, 4)
-        ingest = call(exporter.url, "POST", "/api/v1/deployments/ryw/ready", body, MSGPACK_TYPE, peer=owner)
-        scrape = call(exporter.url, "GET", "/metrics", peer=owner)
-        state = call(exporter.url, "GET", "/api/v1/deployments/ryw", peer=owner)
+        ingest = request(exporter.url, "POST", "/api/v1/deployments/ryw/ready", body, MSGPACK, peer=owner)
+        scrape = request(exporter.url, "GET", "/metrics", peer=owner)
+        state = request(exporter.url, "GET", "/api/v1/deployments/ryw", peer=owner)
         errors += sum(reply.status != 200 for reply in (ingest, scrape, state))
         shown = {
             int(sample.labels["engine"]): sample.value

@@ -18,16 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability import (
-    MSGPACK_TYPE,
-    call,
-    engine_blocks,
-    integrity,
-    raw_socket,
-    read_until_closed,
-    ready_response,
-    record,
-)
+from tests.helpers.figures import record
+from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
+from tests.helpers.ready_responses import engine_blocks, ready_response
+from tests.helpers.sqlite_file import integrity
 from tests.support import ExporterProcess, wait_until
 
 CLIENTS = 6
@@ -96,12 +90,12 @@ def send(exporter: ExporterProcess, ledger: Ledger, slot: Slot, value: int, engi
         ledger.sent[slot] = value
         ledger.requests += 1
     try:
-        reply = call(
+        reply = request(
             exporter.url,
             "POST",
             f"/api/v1/deployments/{slot[0]}/ready",
             ready_response(slot[1], value, engines),
-            MSGPACK_TYPE,
+            MSGPACK,
         )
     except (OSError, http.client.HTTPException):
         with ledger.lock:  # the exporter went away before it answered: this one may or may not be stored
@@ -129,7 +123,7 @@ def client(exporter: ExporterProcess, ledger: Ledger, number: int) -> None:
 
 def check_stored(exporter: ExporterProcess, ledger: Ledger) -> tuple[set[Slot], set[Slot]]:
     """(acknowledged but lost, stored but never sent) right now; the clients are paused."""
-    reply = call(exporter.url, "GET", "/api/v1/deployments")
+    reply = request(exporter.url, "GET", "/api/v1/deployments")
     assert reply.status == 200
     stored = engine_blocks(reply.json())
     return ledger.lost(stored), ledger.phantom(stored)
@@ -237,7 +231,7 @@ def test_sigterm_finishes_the_request_in_flight_commits_and_exits_0(
     assert integrity(exporter.storage) == "ok"
 
     exporter.start()
-    stored = engine_blocks(call(exporter.url, "GET", "/api/v1/deployments").json())
+    stored = engine_blocks(request(exporter.url, "GET", "/api/v1/deployments").json())
     lost = len(ledger.lost(stored))
     figures = {
         "workers": workers,

@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import releases
-from tests.reliability import OPENMETRICS, cache_config_samples, read_only, record, rows
+from tests.helpers.exposition import OPENMETRICS, cache_config_samples
+from tests.helpers.figures import record
+from tests.helpers.sqlite_file import read_only, rows
 from tests.support import case_names, fixture_bytes
 
 READY_TYPES = ["application/vnd.msgpack", "application/msgpack", "application/x-msgpack", "application/json"]

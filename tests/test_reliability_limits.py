@@ -6,25 +6,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.reliability import (
-    MSGPACK_TYPE,
-    Reply,
-    assert_problem,
-    cache_config_samples,
-    call,
-    raw_socket,
-    read_only,
-    read_until_closed,
-    ready_response,
-    record,
-    rows,
-)
+from tests.helpers.exposition import cache_config_samples
+from tests.helpers.figures import record
+from tests.helpers.http import MSGPACK, Reply, raw_socket, read_until_closed, request
+from tests.helpers.ready_responses import ready_response
+from tests.helpers.sqlite_file import read_only, rows
 from tests.support import ExporterProcess, fixture_bytes
 
 READY = "/api/v1/deployments/limits/ready"
@@ -36,14 +27,6 @@ def head(path: str, *headers: str) -> bytes:
     return "\r\n".join(lines).encode()
 
 
-def parse(answer: bytes) -> Reply:
-    """A raw HTTP/1.1 response (as the server sent it, ``Content-Length`` framed) as a ``Reply``."""
-    header, _, body = answer.partition(b"\r\n\r\n")
-    status_line, *fields = header.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, _, value in (field.partition(":") for field in fields)}
-    return Reply(int(status_line.split()[1]), headers, body)
-
-
 def test_a_content_length_over_the_cap_is_refused_before_any_body_arrives(
     start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
 ) -> None:
@@ -53,12 +36,12 @@ def test_a_content_length_over_the_cap_is_refused_before_any_body_arrives(
         connection.sendall(head(READY, "Content-Length: 10000000"))  # and not one byte of the body
         answer = read_until_closed(connection)
         seconds = time.monotonic() - started
-    reply = parse(answer)
-    problem = assert_problem(reply, 413)
+    reply = Reply.parse(answer)
+    problem = reply.problem(413)
     assert problem["field"] == "body" and "65536" in problem["detail"]
     assert reply.headers["connection"] == "close"
     assert seconds < 1.5, f"the 413 took {seconds:.2f} s: the server waited for the body"
-    assert call(exporter.url, "GET", "/-/healthy").status == 200
+    assert request(exporter.url, "GET", "/-/healthy").status == 200
     record(record_property, "limits_content_length", declared_bytes=10_000_000, body_bytes_sent=0,
            answer_seconds=round(seconds, 3))  # fmt: skip
 
@@ -76,15 +59,15 @@ def test_a_chunked_body_over_the_cap_is_refused_without_reading_it_all(
     exporter = start_exporter("--web.max-request-bytes", "4096")
     with raw_socket(exporter.url, timeout=2) as connection:
         connection.sendall(head(READY, "Transfer-Encoding: chunked") + chunked(b"\x00" * 6000))  # no final chunk
-        reply = parse(read_until_closed(connection))
-    assert assert_problem(reply, 413)["field"] == "body"
+        reply = Reply.parse(read_until_closed(connection))
+    assert reply.problem(413)["field"] == "body"
     assert reply.headers["connection"] == "close"
     with raw_socket(exporter.url, timeout=5) as connection:  # under the cap, chunked is fine
         body = ready_response(0, 77, 1)
         connection.sendall(
             head(READY, "Transfer-Encoding: chunked", "Connection: close") + chunked(body, 100) + b"0\r\n\r\n"
         )
-        assert parse(read_until_closed(connection)).status == 200
+        assert Reply.parse(read_until_closed(connection)).status == 200
 
 
 def test_the_body_cap_and_cardinality_caps_come_from_flags_and_environment(
@@ -92,10 +75,10 @@ def test_the_body_cap_and_cardinality_caps_come_from_flags_and_environment(
 ) -> None:
     exporter = start_exporter("--web.max-request-bytes", "1024", env={"CACHE_CONFIG_EXPORTER_LIMITS_DEPLOYMENTS": "1",
                               "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert call(exporter.url, "POST", READY, ready_response(0, 1, 1), MSGPACK_TYPE).status == 200
-    assert_problem(call(exporter.url, "POST", READY, ready_response(0, 1, 1) + b"\0" * 1024, MSGPACK_TYPE), 413)
-    other = call(exporter.url, "POST", "/api/v1/deployments/other/ready", ready_response(0, 1, 1), MSGPACK_TYPE)
-    assert assert_problem(other, 429)["field"] == "deployment"
+    assert request(exporter.url, "POST", READY, ready_response(0, 1, 1), MSGPACK).status == 200
+    request(exporter.url, "POST", READY, ready_response(0, 1, 1) + b"\0" * 1024, MSGPACK).problem(413)
+    other = request(exporter.url, "POST", "/api/v1/deployments/other/ready", ready_response(0, 1, 1), MSGPACK)
+    assert other.problem(429)["field"] == "deployment"
 
 
 def snapshot(client: TestClient, storage: Path) -> tuple[list, bytes, tuple]:
@@ -107,14 +90,9 @@ def snapshot(client: TestClient, storage: Path) -> tuple[list, bytes, tuple]:
         db.close()
 
 
-def reply_of(response: Any) -> Reply:
-    """A test client's response as a ``Reply``."""
-    return Reply(response.status_code, dict(response.headers), response.content)
-
-
 def post(client: TestClient, deployment: str, engine: int, engines: int = 2) -> Reply:
     body = ready_response(engine, 10 + engine, engines)
-    return reply_of(client.post(f"/api/v1/deployments/{deployment}/ready", content=body, headers=MSGPACK_TYPE))
+    return Reply.of(client.post(f"/api/v1/deployments/{deployment}/ready", content=body, headers=MSGPACK))
 
 
 def test_cardinality_caps_are_429_and_leave_existing_series_intact(
@@ -128,10 +106,10 @@ def test_cardinality_caps_are_429_and_leave_existing_series_intact(
     refused = [
         (post(client, "d", 0), "deployment"),
         (post(client, "a", 2, engines=4), "engine"),
-        (reply_of(client.put("/api/v1/deployments/e/cache-config", json={"mamba_cache_mode": "align"})), "deployment"),
+        (Reply.of(client.put("/api/v1/deployments/e/cache-config", json={"mamba_cache_mode": "align"})), "deployment"),
     ]
     for reply, field in refused:
-        problem = assert_problem(reply, 429)
+        problem = reply.problem(429)
         assert problem["field"] == field and "limit" in problem["detail"]
     assert snapshot(client, tmp_path / "exporter.db") == before
     assert post(client, "a", 1).status == 200  # an engine already there may report again
@@ -165,8 +143,8 @@ def test_over_long_values_are_422_and_change_nothing(
         response = client.put("/api/v1/deployments/limits/cache-config", json=body)
     else:
         document = dict(msgspec.msgpack.decode(ready_response(0, 10, 2)), **body)
-        response = client.post(READY, content=msgspec.msgpack.encode(document), headers=MSGPACK_TYPE)
-    assert_problem(reply_of(response), 422)
+        response = client.post(READY, content=msgspec.msgpack.encode(document), headers=MSGPACK)
+    Reply.of(response).problem(422)
     assert response.json()["field"] == field, (what, response.json())
     assert snapshot(client, tmp_path / "exporter.db") == before
 
@@ -194,7 +172,7 @@ def test_a_slow_client_gets_408_while_others_are_served(
             for method, path, payload in (("POST", "/api/v1/deployments/busy/ready", ready_response(0, round_ + 1, 1)),
                                           ("GET", "/metrics", None)):  # fmt: skip
                 started = time.monotonic()
-                statuses.append(call(exporter.url, method, path, payload, MSGPACK_TYPE).status)
+                statuses.append(request(exporter.url, method, path, payload, MSGPACK).status)
                 latencies.append(time.monotonic() - started)
 
     with raw_socket(exporter.url, timeout=10) as slow:
@@ -219,8 +197,8 @@ def test_a_slow_client_gets_408_while_others_are_served(
         answer += read_until_closed(slow)
     stop.set()
     traffic.join(timeout=30)
-    reply = parse(answer)
-    assert assert_problem(reply, 408)["field"] == "body"
+    reply = Reply.parse(answer)
+    assert reply.problem(408)["field"] == "body"
     assert reply.headers["connection"] == "close"
     assert 0.9 <= seconds < 3, seconds
     figures = {
@@ -253,13 +231,13 @@ def test_many_idle_and_stalled_connections_do_not_stop_the_server(
             connection.sendall(partial[connections[-1][0]])
         for round_ in range(20):
             started = time.monotonic()
-            assert call(exporter.url, "POST", READY, ready_response(0, round_ + 1, 1), MSGPACK_TYPE).status == 200
-            assert call(exporter.url, "GET", "/metrics").status == 200
+            assert request(exporter.url, "POST", READY, ready_response(0, round_ + 1, 1), MSGPACK).status == 200
+            assert request(exporter.url, "GET", "/metrics").status == 200
             assert time.monotonic() - started < 1.0
         answers: dict[str, list[int]] = {}
         for kind, connection in connections:
             if kind.startswith("headers"):  # the read timeout applies once the headers are in
-                answers.setdefault(kind, []).append(parse(read_until_closed(connection)).status)
+                answers.setdefault(kind, []).append(Reply.parse(read_until_closed(connection)).status)
     finally:
         for _, connection in connections:
             connection.close()

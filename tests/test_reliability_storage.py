@@ -22,50 +22,35 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from exporter.errors import StorageUnavailable
 from exporter.service import create_app
 from exporter.settings import Settings
-from exporter.state import ExporterState, StorageUnavailable
-from exporter.storage import Store, StoredEngine, StoredReplica
+from exporter.state import ExporterState
+from exporter.storage import SqliteStore, StoredEngine, StoredReplica
 from protocol import decode_ready_response
-from tests.reliability import (
-    MSGPACK_TYPE,
-    Reply,
-    assert_problem,
-    cache_config_samples,
-    call,
-    children,
-    connection_owner,
-    engine_blocks,
-    exporter_sample,
-    ext4,
-    fill,
-    integrity,
-    ready_response,
-    record,
-    tmpfs,
-)
+from tests.helpers.disk import ext4, fill, tmpfs
+from tests.helpers.exposition import cache_config_samples, scrape, single_value
+from tests.helpers.figures import record
+from tests.helpers.http import MSGPACK, Reply, request
+from tests.helpers.processes import children, connection_owner
+from tests.helpers.ready_responses import engine_blocks, ready_response
+from tests.helpers.sqlite_file import integrity
 from tests.support import ExporterProcess, fixture_bytes, wait_until
 
 HEALTHY = "cache_config_exporter_storage_healthy"
 
 
 def ingest(exporter: ExporterProcess, deployment: str, value: int) -> Reply:
-    return call(
-        exporter.url, "POST", f"/api/v1/deployments/{deployment}/ready", ready_response(0, value, 1), MSGPACK_TYPE
+    return request(
+        exporter.url, "POST", f"/api/v1/deployments/{deployment}/ready", ready_response(0, value, 1), MSGPACK
     )
-
-
-def scrape(exporter: ExporterProcess) -> str:
-    reply = call(exporter.url, "GET", "/metrics")
-    assert reply.status == 200, reply.body[:300]
-    return reply.body.decode()
 
 
 def good_state(exporter: ExporterProcess) -> tuple[list, bytes]:
     """Two acknowledged deployments, and what /metrics and the JSON API show of them."""
     for value, deployment in enumerate(("kept-a", "kept-b"), 101):
         assert ingest(exporter, deployment, value).status == 200
-    return cache_config_samples(scrape(exporter)), call(exporter.url, "GET", "/api/v1/deployments").body
+    return cache_config_samples(scrape(exporter.url)), request(exporter.url, "GET", "/api/v1/deployments").body
 
 
 def check_failing(
@@ -75,17 +60,17 @@ def check_failing(
     started = time.monotonic()
     refused = ingest(exporter, "during-fault", 999)
     seconds = time.monotonic() - started
-    problem = assert_problem(refused, 503)
+    problem = refused.problem(503)
     assert refused.headers["retry-after"] == "1"
     assert problem["type"] == "urn:cache-config-exporter:problem:storage_unavailable"
     assert any(word in problem["detail"] for word in words), problem
     assert seconds < 5, f"a storage fault took {seconds:.1f} s to answer"
-    exposition = scrape(exporter)
+    exposition = scrape(exporter.url)
     assert cache_config_samples(exposition) == before[0], "/metrics no longer shows the last good state"
-    assert call(exporter.url, "GET", "/api/v1/deployments").body == before[1]
+    assert request(exporter.url, "GET", "/api/v1/deployments").body == before[1]
     if readiness:
-        assert exporter_sample(exposition, HEALTHY) == 0
-        ready = call(exporter.url, "GET", "/-/ready")
+        assert single_value(exposition, HEALTHY) == 0
+        ready = request(exporter.url, "GET", "/-/ready")
         assert ready.status == 503 and any(word in ready.body.decode() for word in words), ready
     return {"fault_answer": problem["detail"], "fault_answer_seconds": round(seconds, 2)}
 
@@ -93,12 +78,12 @@ def check_failing(
 def check_recovered(exporter: ExporterProcess, before: tuple[list, bytes]) -> float:
     """The exporter notices by itself that the fault is gone, and takes writes again; seconds it took."""
     started = time.monotonic()
-    wait_until(lambda: call(exporter.url, "GET", "/-/ready").status == 200, timeout=15)
+    wait_until(lambda: request(exporter.url, "GET", "/-/ready").status == 200, timeout=15)
     took = time.monotonic() - started
-    assert exporter_sample(scrape(exporter), HEALTHY) == 1
-    assert cache_config_samples(scrape(exporter)) == before[0], "the refused change showed up"
+    assert single_value(scrape(exporter.url), HEALTHY) == 1
+    assert cache_config_samples(scrape(exporter.url)) == before[0], "the refused change showed up"
     assert ingest(exporter, "after-fault", 777).status == 200
-    stored = engine_blocks(call(exporter.url, "GET", "/api/v1/deployments").json())
+    stored = engine_blocks(request(exporter.url, "GET", "/api/v1/deployments").json())
     assert stored == {("kept-a", 0): 101, ("kept-b", 0): 102, ("after-fault", 0): 777}
     return round(took, 2)
 
@@ -123,7 +108,7 @@ def prove_fault(
         try:
             figures = check_failing(exporter, before, words, readiness=workers == 1)
             for _ in range(3):  # every scrape, on any worker, still shows the last good state
-                assert cache_config_samples(scrape(exporter)) == before[0]
+                assert cache_config_samples(scrape(exporter.url)) == before[0]
         finally:
             remove()
         figures["recovery_seconds"] = check_recovered(exporter, before)
@@ -171,7 +156,9 @@ def scraped_by_every_worker(exporter: ExporterProcess) -> None:
     seen: set[object] = set()
 
     def scrape_once() -> bool:
-        reply = call(exporter.url, "GET", "/metrics", peer=lambda port: connection_owner(exporter.port, port, workers))
+        reply = request(
+            exporter.url, "GET", "/metrics", peer=lambda port: connection_owner(exporter.port, port, workers)
+        )
         assert reply.status == 200
         seen.add(reply.peer)
         return len(seen - {None}) >= 2
@@ -206,7 +193,7 @@ def exporter_database(path: Path) -> None:
     with TestClient(create_app(Settings(storage_path=path), registry=CollectorRegistry())) as client:
         for index in range(40):
             body = ready_response(0, index + 1, 1)
-            assert client.post(f"/api/v1/deployments/d{index}/ready", content=body, headers=MSGPACK_TYPE).is_success
+            assert client.post(f"/api/v1/deployments/d{index}/ready", content=body, headers=MSGPACK).is_success
 
 
 def truncated(path: Path) -> None:
@@ -300,7 +287,7 @@ def test_a_read_only_store_at_start_up_stops_it_with_a_message(
         assert str(storage) in result.stderr and "read-only" in result.stderr, result.stderr
         assert digest(mount) == before
         exporter = start_exporter(storage=storage)
-        assert len(call(exporter.url, "GET", "/api/v1/deployments").json()) == 40
+        assert len(request(exporter.url, "GET", "/api/v1/deployments").json()) == 40
         assert exporter.stop() == 0
 
 
@@ -323,13 +310,13 @@ def test_sigkill_during_a_fault_leaves_a_sound_store(
         holder.execute("ROLLBACK")
         holder.close()
     exporter.start()
-    assert cache_config_samples(scrape(exporter)) == before[0]
+    assert cache_config_samples(scrape(exporter.url)) == before[0]
     assert exporter.stop() == 0
     assert integrity(exporter.storage) == "ok"
     record(record_property, "storage_sigkill_during_fault", acknowledged_but_lost=0, integrity="ok")
 
 
-class FullDisk(Store):
+class FullDisk(SqliteStore):
     """A store on a full disk: transactions begin and commit, but no row can be written."""
 
     full = False

@@ -9,7 +9,9 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.support import MSGPACK, fixture_bytes, info_labels, samples
+from tests.helpers.exposition import info_labels, samples
+from tests.helpers.http import MSGPACK
+from tests.support import fixture_bytes
 
 READY = "/api/v1/deployments/qwen/ready"
 

@@ -4,7 +4,6 @@ off and every request watched: what a person sees, offline. The screenshots are 
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,27 +11,20 @@ import msgspec
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-from tests.support import FIXTURES, MSGPACK, ExporterProcess, require_binary
+from tests.helpers.ready_responses import push_ready
+from tests.support import FIXTURES, ExporterProcess, require_binary
 
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
-
-
-def push(exporter: ExporterProcess, deployment: str, body: bytes) -> None:
-    request = urllib.request.Request(
-        f"{exporter.url}/api/v1/deployments/{deployment}/ready", data=body, headers=MSGPACK, method="POST"
-    )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
 
 
 @pytest.fixture
 def exporter(start_exporter: Callable[..., ExporterProcess]) -> ExporterProcess:
     """An exporter with a hybrid model and a two-engine deployment whose engines disagree on the block sizes."""
     exporter = start_exporter()
-    push(exporter, "Qwen/Qwen3.6-35B-A3B", (FIXTURES / "hybrid-tp1-post50809.msgpack").read_bytes())
-    push(exporter, "dp2", (FIXTURES / "dp2-rank0.msgpack").read_bytes())
+    push_ready(exporter.url, "Qwen/Qwen3.6-35B-A3B", (FIXTURES / "hybrid-tp1-post50809.msgpack").read_bytes())
+    push_ready(exporter.url, "dp2", (FIXTURES / "dp2-rank0.msgpack").read_bytes())
     other = msgspec.msgpack.decode((FIXTURES / "dp2-rank1.msgpack").read_bytes())
-    push(exporter, "dp2", msgspec.msgpack.encode({**other, "block_size": 528, "mamba_block_size": 528}))
+    push_ready(exporter.url, "dp2", msgspec.msgpack.encode({**other, "block_size": 528, "mamba_block_size": 528}))
     return exporter
 
 

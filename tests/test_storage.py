@@ -11,8 +11,11 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.storage import StorageError, Store
-from tests.support import MSGPACK, fixture_bytes, samples
+from exporter.storage import SqliteStore, StorageError
+from tests.helpers.exposition import samples
+from tests.helpers.http import MSGPACK
+from tests.helpers.sqlite_file import integrity
+from tests.support import fixture_bytes
 
 
 def cache_config_samples(client: TestClient) -> list:
@@ -48,12 +51,12 @@ def test_a_restart_replaces_the_stored_engines_in_one_commit(client: TestClient,
     restarted = msgspec.msgpack.decode(fixture_bytes("dense-post50809"))
     restarted["instance_id"] = "second-run"
     client.post("/api/v1/deployments/dp/ready", content=msgspec.msgpack.encode(restarted), headers=MSGPACK)
-    store = Store(tmp_path / "exporter.db")
+    store = SqliteStore(tmp_path / "exporter.db")
     [deployment] = store.load()
     assert deployment.instance_id == "second-run"
     assert set(deployment.engines) == {0}
-    assert store.integrity_ok()
     store.close()
+    assert integrity(tmp_path / "exporter.db") == "ok"
 
 
 def _digest(path: Path) -> str:
@@ -67,7 +70,7 @@ def test_a_foreign_sqlite_database_is_refused_and_untouched(tmp_path: Path) -> N
     db.close()
     digest = _digest(foreign)
     with pytest.raises(StorageError, match="another program"):
-        Store(foreign)
+        SqliteStore(foreign)
     assert _digest(foreign) == digest
 
 
@@ -76,7 +79,7 @@ def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path: Path) -> N
     junk.write_bytes(b"these are my notes, not a database\n" * 100)
     digest = _digest(junk)
     with pytest.raises(StorageError, match="not a database"):
-        Store(junk)
+        SqliteStore(junk)
     assert _digest(junk) == digest
 
 

@@ -16,7 +16,7 @@ from protocol import (
     sync,
 )
 from protocol.releases import releases
-from tests.release_payloads import engine_labels, ready_payload
+from tests.helpers.release_payloads import engine_labels, ready_payload
 from tests.support import fixture_bytes
 
 NEWEST = releases()[-1]

@@ -37,9 +37,10 @@ import pytest
 
 from exporter import vllm_plugin
 from exporter.vllm_plugin import FORWARDER_ATTRIBUTE, Forwarder, Target, deployment_of, register, replica_of
+from tests.helpers.exposition import info_labels, samples
+from tests.helpers.figures import record
 from tests.real_vllm.frontend import HYBRID_RESPONSE, frontend_client
-from tests.reliability import record
-from tests.support import ExporterProcess, free_port, info_labels, samples, wait_until
+from tests.support import ExporterProcess, free_port, wait_until
 
 STANDIN = Path(__file__).parent / "vllm_standin"
 REAL_VLLM_VARIABLE = "CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM"

@@ -15,8 +15,10 @@ import pytest
 
 from exporter.security import Credentials
 from exporter.settings import Settings, SettingsError
-from tests.reliability import MSGPACK_TYPE, Reply, call, ready_response
-from tests.support import ExporterProcess, require_binary, samples, wait_until
+from tests.helpers.exposition import samples
+from tests.helpers.http import MSGPACK, Reply, request
+from tests.helpers.ready_responses import ready_response
+from tests.support import ExporterProcess, require_binary, wait_until
 
 BODY = ready_response(0, 42, 2)
 INGEST = "/api/v1/deployments/web-config/ready"
@@ -33,11 +35,11 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 
 def scrape_status(exporter: ExporterProcess, headers: dict[str, str]) -> int:
-    return call(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls).status
+    return request(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls).status
 
 
 def reload_gauge(exporter: ExporterProcess, headers: dict[str, str], file: Path) -> float:
-    reply = call(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls)
+    reply = request(exporter.url, "GET", "/metrics", headers=headers, tls=exporter.tls)
     assert reply.status == 200
     (sample,) = [sample for sample in samples(reply.body.decode(), RELOADED) if sample.labels["file"] == str(file)]
     return sample.value
@@ -72,10 +74,10 @@ def test_passwords_and_headers_rotate_without_a_restart(
     exporter = start_exporter("--web.config.file", str(web_config))
     assert scrape_status(exporter, basic("prometheus", old)) == 200
     for wrong in (basic("prometheus", new), basic("nobody", old), {}):
-        refused = call(exporter.url, "GET", "/metrics", headers=wrong)
+        refused = request(exporter.url, "GET", "/metrics", headers=wrong)
         assert refused.status == 401 and refused.headers["www-authenticate"] == 'Basic realm="metrics"'
-    assert call(exporter.url, "GET", "/").status == 401, "the status page shows the state: it needs a reader"
-    healthy = call(exporter.url, "GET", "/-/healthy")
+    assert request(exporter.url, "GET", "/").status == 401, "the status page shows the state: it needs a reader"
+    healthy = request(exporter.url, "GET", "/-/healthy")
     assert healthy.status == 200, "probes stay open"
     assert healthy.headers["x-frame-options"] == "deny" and healthy.headers["x-content-type-options"] == "nosniff"
 
@@ -85,7 +87,7 @@ def test_passwords_and_headers_rotate_without_a_restart(
     )
     wait_until(lambda: scrape_status(exporter, basic("prometheus", new)) == 200)
     assert scrape_status(exporter, basic("prometheus", old)) == 401
-    headers = call(exporter.url, "GET", "/-/healthy").headers
+    headers = request(exporter.url, "GET", "/-/healthy").headers
     assert headers["strict-transport-security"] == "max-age=31536000" and "x-frame-options" not in headers
     assert reload_gauge(exporter, basic("prometheus", new), web_config) == 1.0
     assert "reloaded" in exporter.log.read_text()
@@ -167,7 +169,7 @@ def test_certificates_rotate_without_a_restart(start_exporter: Callable[..., Exp
 
     def reaches(context: ssl.SSLContext) -> bool:
         try:
-            return call(exporter.url, "GET", "/-/healthy", tls=context).status == 200
+            return request(exporter.url, "GET", "/-/healthy", tls=context).status == 200
         except ssl.SSLError:
             return False
 
@@ -202,7 +204,7 @@ def test_the_old_tls_flags_keep_working_and_reload_too(
 
     def reaches_second() -> bool:
         try:
-            return call(exporter.url, "GET", "/-/healthy", tls=trusts_second).status == 200
+            return request(exporter.url, "GET", "/-/healthy", tls=trusts_second).status == 200
         except ssl.SSLError:
             return False
 
@@ -210,7 +212,7 @@ def test_the_old_tls_flags_keep_working_and_reload_too(
 
 
 def ingest(exporter: ExporterProcess, token: str) -> Reply:
-    return call(exporter.url, "POST", INGEST, BODY, {**MSGPACK_TYPE, "Authorization": f"Bearer {token}"})
+    return request(exporter.url, "POST", INGEST, BODY, {**MSGPACK, "Authorization": f"Bearer {token}"})
 
 
 def test_ingest_tokens_overlap_during_a_rotation(

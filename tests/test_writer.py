@@ -1,4 +1,5 @@
-"""The writer thread: group commit, and nothing acknowledged or shown before it is committed."""
+"""The writer (exporter/writer.py): group commit, nothing shown or acknowledged before it is durable, a failing
+store or a failing change refused alone."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter.state import ExporterState, StorageUnavailable
-from exporter.storage import Store
+from exporter.errors import StorageUnavailable
+from exporter.state import ExporterState
+from exporter.storage import SqliteStore
 from protocol import decode_ready_response
 from tests.support import fixture_bytes
 
 
-class GatedStore(Store):
+class GatedStore(SqliteStore):
     """A store whose first transaction waits for a gate, and which counts and can fail its commits."""
 
     def __init__(self, path: Path) -> None:
@@ -84,13 +86,13 @@ def test_nothing_is_acknowledged_or_shown_when_the_commit_fails(gated: tuple[Gat
     store.fail = False
     state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
     assert state.storage_error is None
-    assert {stored.deployment for stored in Store(store.path).load()} == {"kept", "after"}
+    assert {stored.deployment for stored in SqliteStore(store.path).load()} == {"kept", "after"}
 
 
 def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tuple[GatedStore, ExporterState]) -> None:
     store, state = gated
     store.gate.set()
-    broken = state._submit(lambda batch: 1 / 0)
+    broken = state._writer.submit(lambda batch: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         broken.result(timeout=10)
     assert (

@@ -1,17 +1,25 @@
-"""/metrics content negotiation: Prometheus text or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``."""
+"""/metrics (exporter/exposition.py): the lines it renders, Prometheus text or OpenMetrics by ``Accept``, gzip by
+``Accept-Encoding``."""
 
 from __future__ import annotations
 
+import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.metrics_core import Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest as text_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+from prometheus_client.registry import Collector
 
-from tests.support import MSGPACK, fixture_bytes
+from exporter.series import FAMILIES, replica_samples
+from tests.helpers.http import MSGPACK
+from tests.support import fixture_bytes
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text"
@@ -81,7 +89,69 @@ def test_without_accept_the_answer_is_prometheus_text(loaded: TestClient) -> Non
     assert ("cache_config_exporter_ready_responses_accepted_total", (), 3.0) in series
 
 
-@pytest.mark.parametrize("accept", ["text/plain", "text/plain;version=0.0.4", "*/*", "application/json"])
+_SAMPLE = re.compile(r"(\w+)\{(.*)\} (\S+)")
+_PAIR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _labels_in_name_order(line: str) -> str:
+    """A sample line with its labels as the exporter wrote them (escapes kept), sorted by name."""
+    sample = _SAMPLE.fullmatch(line)
+    if sample is None:
+        return line
+    pairs = ",".join(f'{name}="{value}"' for name, value in sorted(_PAIR.findall(sample.group(2))))
+    return f"{sample.group(1)}{{{pairs}}} {sample.group(3)}"
+
+
+def _library_rendering(client: TestClient, render: Callable[[CollectorRegistry], bytes]) -> bytes:
+    """The cache-config families of the app's state, rendered by prometheus_client's own encoder."""
+
+    class Samples(Collector):
+        def collect(self) -> Iterator[Metric]:
+            replicas = client.app.state.exporter.state.snapshot()  # type: ignore[attr-defined]
+            per_replica = [replica_samples(replicas[key]) for key in sorted(replicas)]
+            for index, family in enumerate(FAMILIES):
+                metric = GaugeMetricFamily(f"cache_config_{family.suffix}", family.help)
+                for samples in per_replica:
+                    for labels, value in samples[index]:
+                        metric.add_sample(metric.name, dict(labels), value)
+                yield metric
+
+    registry = CollectorRegistry()
+    registry.register(Samples())
+    return render(registry)
+
+
+@pytest.mark.parametrize(
+    ("accept", "render"),
+    [("", text_latest), ("application/openmetrics-text; version=1.0.0", openmetrics_latest)],
+)
+def test_cache_config_lines_are_what_prometheus_client_itself_renders(
+    loaded: TestClient, accept: str, render: Callable[[CollectorRegistry], bytes]
+) -> None:
+    """The exporter renders its families itself (once per change, for speed): byte for byte the library's,
+    escaping included."""
+    labels = {"served_model_name": 'say "hi"\\n\nnext line'}
+    put = loaded.put("/api/v1/deployments/qwen/cache-config", json=labels)
+    assert put.status_code == 200, put.text
+    _, body = get_raw(loaded, {"Accept": accept})
+    assert b'served_model_name="say \\"hi\\"\\\\n\\nnext line"' in body
+    expected = _library_rendering(loaded, render).removesuffix(b"# EOF\n").decode().splitlines()
+    # The library writes labels in name order, the exporter in vLLM's; each label and value as written.
+    assert [_labels_in_name_order(line) for line in body.decode().splitlines()[: len(expected)]] == expected
+    assert body.decode().splitlines()[len(expected)].startswith("# HELP cache_config_exporter_")
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "text/plain",
+        "text/plain;version=0.0.4",
+        "*/*",
+        "application/json",
+        "application/openmetrics-text; version=2.0.0",
+        "text/plain; version=1.0.0",
+    ],
+)
 def test_other_accept_headers_get_prometheus_text(loaded: TestClient, accept: str) -> None:
     headers, body = get_raw(loaded, {"Accept": accept})
     assert headers["content-type"] == TEXT

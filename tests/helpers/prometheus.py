@@ -1,4 +1,5 @@
-"""Helpers for the tests of what surrounds the exporter: a real Prometheus server, promtool, the docker/ files."""
+"""The Prometheus side of a deployment: docker/'s rules and dashboard, the PromQL in them, promtool, a real
+Prometheus server."""
 
 from __future__ import annotations
 
@@ -6,44 +7,17 @@ import json
 import re
 import subprocess
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from tests.helpers.http import request
+from tests.support import free_port, require_binary, wait_until
 
-from tests.support import ExporterProcess, fixture_bytes, free_port, require_binary, wait_until
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 RULES = DOCKER / "rules" / "cache-config-exporter.rules.yml"
 RULE_TESTS = sorted((DOCKER / "rules").glob("*_test.yml"))
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "cache-config-exporter.json"
-
-# Never through an HTTP proxy from the environment: everything here is on loopback.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[dict[str, str], bytes]:
-    """GET ``url``: the response headers (lower-case names) and the raw, undecoded body."""
-    with _opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
-        return {name.lower(): value for name, value in response.headers.items()}, response.read()
-
-
-def push(exporter: ExporterProcess, fixture: str, deployment: str) -> dict[str, Any]:
-    """POST one msgpack fixture as a deployment's ready response; the synced state it answers."""
-    request = urllib.request.Request(
-        f"{exporter.url}/api/v1/deployments/{deployment}/ready",
-        data=fixture_bytes(fixture),
-        headers={"Content-Type": "application/vnd.msgpack"},
-    )
-    with _opener.open(request, timeout=10) as response:
-        return json.load(response)
-
-
-def exposed_names(exposition: str) -> set[str]:
-    """Every sample name of a text exposition (``_total`` and ``_created`` of counters included)."""
-    return {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
 
 
 def promtool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -139,15 +113,15 @@ class PrometheusServer:
     def _ready(self) -> bool:
         self.running()
         try:
-            return get(f"{self.url}/-/ready")[1].startswith(b"Prometheus")
+            ready = request(self.url, "GET", "/-/ready")
         except OSError:
             return False
+        return ready.status == 200 and ready.body.startswith(b"Prometheus")
 
     def api(self, endpoint: str, **params: str | float) -> Any:
         """``/api/v1/<endpoint>``'s ``data``, asserting the call succeeded."""
         self.running()
-        _, body = get(f"{self.url}/api/v1/{endpoint}?{urllib.parse.urlencode(params)}")
-        answer = json.loads(body)
+        answer = request(self.url, "GET", f"/api/v1/{endpoint}?{urllib.parse.urlencode(params)}").json()
         assert answer["status"] == "success", answer
         return answer["data"]
 

@@ -1,0 +1,109 @@
+"""The exporter's state as data: replicas (vLLM servers) and their engines' latest ready responses.
+
+A replica is one vLLM server (a frontend and its data-parallel engines) of a
+deployment. Replicas are immutable: a change builds a new one, synced from its
+inputs, so readers can hold one without locks and caches can key on identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import msgspec
+
+from exporter.storage import StoredEngine, StoredReplica
+from protocol import EngineCoreReadyResponse, SyncedConfig, decode_ready_response, decode_static_labels, sync
+
+# The replica of a sender that names none: one vLLM server per deployment, as before replicas existed.
+DEFAULT_REPLICA = "default"
+
+ReplicaKey = tuple[str, str]
+
+_static_encoder = msgspec.json.Encoder()
+
+
+class EngineReport(msgspec.Struct, frozen=True):
+    """One engine's latest ready response: the bytes as received, decoded, and when (Unix seconds)."""
+
+    engine: int
+    received_at: float
+    response: EngineCoreReadyResponse
+    payload: bytes
+    wire_format: str
+
+
+class Replica(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's inputs and the config synced from them; never changed, only replaced."""
+
+    deployment: str
+    name: str
+    instance_id: str | None
+    static_labels: dict[str, str]
+    # Seconds between the heartbeats its sender promised; None for one-off pushes, which never expire.
+    heartbeat_seconds: float | None
+    last_seen: float
+    engines: Mapping[int, EngineReport]
+    synced: SyncedConfig
+
+    @property
+    def key(self) -> ReplicaKey:
+        return (self.deployment, self.name)
+
+
+def build_replica(
+    key: ReplicaKey,
+    instance_id: str | None,
+    static_labels: dict[str, str],
+    heartbeat_seconds: float | None,
+    last_seen: float,
+    engines: Mapping[int, EngineReport],
+    base_labels: Mapping[str, str],
+) -> Replica:
+    """A replica with its config synced from ``engines`` over ``base_labels`` and its own static labels.
+
+    Raises the protocol's ``SyncConflict`` when the engines contradict each other.
+    """
+    responses = {index: report.response for index, report in engines.items()}
+    return Replica(
+        deployment=key[0],
+        name=key[1],
+        instance_id=instance_id,
+        static_labels=static_labels,
+        heartbeat_seconds=heartbeat_seconds,
+        last_seen=last_seen,
+        engines=MappingProxyType(dict(engines)),
+        synced=sync({**base_labels, **static_labels}, responses),
+    )
+
+
+def restored(stored: StoredReplica, base_labels: Mapping[str, str]) -> Replica:
+    """A replica from its stored inputs, decoded and synced again (so newer sync rules apply to old data)."""
+    engines = {
+        engine: EngineReport(
+            engine, row.received_at, decode_ready_response(row.payload, row.wire_format), row.payload, row.wire_format
+        )
+        for engine, row in stored.engines.items()
+    }
+    # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
+    static_labels = decode_static_labels(stored.static_config)
+    key = (stored.deployment, stored.replica)
+    return build_replica(
+        key, stored.instance_id, static_labels, stored.heartbeat_seconds, stored.last_seen, engines, base_labels
+    )
+
+
+def stored_replica(replica: Replica) -> StoredReplica:
+    """A replica's own row: its inputs but its engines (saved one by one)."""
+    return StoredReplica(
+        replica.deployment,
+        replica.name,
+        _static_encoder.encode(replica.static_labels),
+        replica.instance_id,
+        replica.heartbeat_seconds,
+        replica.last_seen,
+    )
+
+
+def stored_engine(report: EngineReport) -> StoredEngine:
+    return StoredEngine(report.payload, report.wire_format, report.received_at)

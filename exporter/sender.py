@@ -1,0 +1,197 @@
+"""The client side of the exporter's ingest API, shared by ``cache-config-exporter push`` and the vLLM plugin.
+
+It knows the API's paths and queries (ready responses, cache configs, heartbeats, goodbyes), the content
+type of each wire format and the bearer token, sends one request with a timeout and says what came of it:
+``Accepted`` with the exporter's JSON answer, ``Refused`` with the status and the problem's ``detail`` and
+``field``, or ``Unreachable`` with the reason. What to do next (print, retry, warn) is the caller's.
+
+Imports only the standard library: it runs inside vLLM's frontend.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exporter import __version__
+
+# Shared by ``push --timeout`` and the plugin's ``CACHE_CONFIG_EXPORTER_TIMEOUT``.
+DEFAULT_TIMEOUT_SECONDS = 2.0
+CONTENT_TYPES = {"json": "application/json", "msgpack": "application/vnd.msgpack"}
+# RFC 7230 visible characters: anything else could break the header (and land in an error message).
+_BEARER_TOKEN = re.compile(r"[!-~]+")
+_URL_SEPARATORS = re.compile(r"[\s,]+")
+# How much of a refusal's detail a message carries, and how much of its body is read.
+_DETAIL_LENGTH = 200
+_PROBLEM_BYTES = 4096
+
+
+class TokenError(ValueError):
+    """A bearer token that cannot be read or sent; the message says why and never holds the token."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of the ingest API: ``path`` is below the exporter's base URL, with its query."""
+
+    method: str
+    path: str
+    body: bytes | None = None
+    content_type: str | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A 2xx answer; ``state`` is its JSON (the synced deployment for a ready response), ``None`` when empty."""
+
+    state: Any
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An HTTP error answer: ``detail`` and ``field`` come from the exporter's problem document."""
+
+    status: int
+    detail: str
+    field: str | None
+
+    def __str__(self) -> str:
+        return (
+            f"HTTP {self.status}"
+            + (f": {self.detail}" if self.detail else "")
+            + (f" (field {self.field})" if self.field else "")
+        )
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """No answer: refused connection, timeout, TLS or protocol failure, or an answer that is not the API's."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+Outcome = Accepted | Refused | Unreachable
+
+
+def split_urls(value: str) -> list[str]:
+    """The base URLs of a comma- or space-separated list, without trailing slashes."""
+    return [url for url in (entry.rstrip("/") for entry in _URL_SEPARATORS.split(value.strip())) if url]
+
+
+def _deployment_path(deployment: str) -> str:
+    return f"/api/v1/deployments/{urllib.parse.quote(deployment, safe='/')}"
+
+
+def _query(**values: object) -> str:
+    """The query of the given values; ``None`` ones are left out, seconds written as ``30`` rather than ``30.0``."""
+    return urllib.parse.urlencode(
+        {
+            name: f"{value:g}" if isinstance(value, float) else value
+            for name, value in values.items()
+            if value is not None
+        }
+    )
+
+
+def ready_call(
+    deployment: str,
+    body: bytes,
+    wire_format: str,
+    replica: str,
+    *,
+    engine: int | None = None,
+    heartbeat: float | None = None,
+) -> Call:
+    """Ingest one engine's ready response (``wire_format`` ``json`` or ``msgpack``); with ``heartbeat``, the
+    replica promises heartbeats at that interval."""
+    query = _query(replica=replica, engine=engine, heartbeat=heartbeat)
+    return Call("POST", f"{_deployment_path(deployment)}/ready?{query}", body, CONTENT_TYPES[wire_format])
+
+
+def cache_config_call(deployment: str, labels: dict[str, str], replica: str, *, heartbeat: float | None = None) -> Call:
+    """Set the replica's static labels (vLLM's ``metrics_info()``)."""
+    query = _query(replica=replica, heartbeat=heartbeat)
+    path = f"{_deployment_path(deployment)}/cache-config?{query}"
+    return Call("PUT", path, json.dumps(labels).encode(), CONTENT_TYPES["json"])
+
+
+def heartbeat_call(deployment: str, replica: str, interval: float) -> Call:
+    """Keep the replica alive; a 404 answer means the exporter does not hold it. The empty body is sent with
+    its length, as proxies in front of the exporter may require."""
+    return Call("POST", f"{_deployment_path(deployment)}/heartbeat?{_query(replica=replica, interval=interval)}", b"")
+
+
+def goodbye_call(deployment: str, replica: str) -> Call:
+    """Remove the replica at once (its server shuts down cleanly)."""
+    return Call("DELETE", f"{_deployment_path(deployment)}?{_query(replica=replica)}")
+
+
+def read_token(path: str | Path) -> str:
+    """The token in a file, surrounding white space stripped (empty when the file is)."""
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as error:
+        raise TokenError(f"{path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise TokenError(f"{path}: not UTF-8 text") from None
+
+
+def bearer(token: str) -> str:
+    """The ``Authorization`` header value for ``token``."""
+    if not _BEARER_TOKEN.fullmatch(token):
+        raise TokenError("the token has characters a bearer token cannot have (whitespace or non-ASCII)")
+    return f"Bearer {token}"
+
+
+def send(base_url: str, call: Call, timeout: float, *, authorization: str | None = None, client: str) -> Outcome:
+    """Make ``call`` to the exporter at ``base_url``, waiting at most ``timeout`` seconds; never raises.
+
+    ``client`` (``push``, ``vllm-plugin``) names the sender in the ``User-Agent``.
+    """
+    headers = {"User-Agent": f"cache-config-exporter-{client}/{__version__}"}
+    if call.content_type:
+        headers["Content-Type"] = call.content_type
+    try:
+        request = urllib.request.Request(f"{base_url}{call.path}", data=call.body, method=call.method, headers=headers)
+        if authorization:
+            # Unredirected: a redirect to another host never carries the token.
+            request.add_unredirected_header("Authorization", authorization)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer = response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            return _refusal(error.code, error.read(_PROBLEM_BYTES))
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        return Unreachable(str(getattr(error, "reason", None) or error))
+    if not answer:
+        return Accepted(None)
+    try:
+        return Accepted(json.loads(answer))
+    except ValueError:
+        return Unreachable(f"the answer is not the exporter's JSON: {_excerpt(answer)!r}")
+
+
+def _refusal(status: int, body: bytes) -> Refused:
+    """The problem document's ``detail`` and ``field``; any other body is the detail as it is."""
+    try:
+        problem = json.loads(body)
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        return Refused(status, _excerpt(body), None)
+    field_name = problem.get("field")
+    return Refused(status, str(problem.get("detail") or "")[:_DETAIL_LENGTH], str(field_name) if field_name else None)
+
+
+def _excerpt(body: bytes) -> str:
+    return body.decode("utf-8", "replace").strip()[:_DETAIL_LENGTH]

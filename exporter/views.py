@@ -1,0 +1,69 @@
+"""What the JSON API shows of a replica: its synced config, and every key each engine sent."""
+
+from __future__ import annotations
+
+import msgspec
+
+from exporter.replicas import Replica
+from protocol import EngineFigures, decode_as_sent
+
+
+class EngineView(msgspec.Struct, kw_only=True):
+    """One engine: its figures and every key it sent, as it sent them."""
+
+    engine: int
+    received_at: float
+    wire_format: str
+    figures: EngineFigures
+    response: object
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    """A replica: who it is, when it was last heard from, and its synced config."""
+
+    deployment: str
+    replica: str
+    instance_id: str | None
+    heartbeat_seconds: float | None
+    last_seen: float
+    vllm_release: str
+    mamba_cache_mode: str
+    labels: dict[str, str]
+    max_model_len: int | None
+    dp_stats_address: str | None
+    data_parallel_size: int | None
+    distinct_values: dict[str, int]
+    static_labels: dict[str, str]
+    engines: list[EngineView]
+
+
+_json = msgspec.json.Encoder()
+# What a view copies as it is: from the replica, and from its synced config.
+_OF_REPLICA = ("deployment", "instance_id", "heartbeat_seconds", "last_seen", "static_labels")
+_OF_SYNC = ("mamba_cache_mode", "labels", "max_model_len", "dp_stats_address", "data_parallel_size", "distinct_values")
+
+
+def view(replica: Replica) -> ReplicaView:
+    synced = replica.synced
+    engines = [
+        EngineView(
+            engine=index,
+            received_at=report.received_at,
+            wire_format=report.wire_format,
+            figures=synced.engines[index],
+            response=decode_as_sent(report.payload, report.wire_format),
+        )
+        for index, report in sorted(replica.engines.items())
+    ]
+    return ReplicaView(
+        replica=replica.name,
+        vllm_release=synced.release,
+        engines=engines,
+        **{name: getattr(replica, name) for name in _OF_REPLICA},
+        **{name: getattr(synced, name) for name in _OF_SYNC},
+    )
+
+
+def encode_view(replica: Replica) -> bytes:
+    """A replica's view as JSON."""
+    return _json.encode(view(replica))

@@ -1,0 +1,152 @@
+"""The sender that ``push`` and the vLLM plugin share, against a real exporter process on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from exporter import sender
+from tests.support import ExporterProcess, fixture_bytes, free_port
+
+TIMEOUT = 5.0
+
+
+def send(exporter: ExporterProcess, call: sender.Call, authorization: str | None = None) -> sender.Outcome:
+    return sender.send(exporter.url, call, TIMEOUT, authorization=authorization, client="test")
+
+
+def held(exporter: ExporterProcess, deployment: str, replica: str) -> dict[str, object] | None:
+    """The replica's state as the exporter's JSON API shows it, ``None`` when it holds no such replica."""
+    outcome = send(exporter, sender.Call("GET", f"/api/v1/deployments/{deployment}?replica={replica}"))
+    return outcome.state if isinstance(outcome, sender.Accepted) else None
+
+
+def test_a_ready_response_is_accepted_with_the_synced_state(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter()
+    call = sender.ready_call(
+        "team/qwen", fixture_bytes("hybrid-tp1-post50809"), "msgpack", "gpu-1:8000", heartbeat=30.0
+    )
+    assert call.path == "/api/v1/deployments/team/qwen/ready?replica=gpu-1%3A8000&heartbeat=30"
+
+    outcome = send(exporter, call)
+
+    assert isinstance(outcome, sender.Accepted)
+    assert (outcome.state["deployment"], outcome.state["replica"]) == ("team/qwen", "gpu-1:8000")
+    assert (outcome.state["labels"]["block_size"], outcome.state["heartbeat_seconds"]) == ("1056", 30.0)
+
+
+def test_a_json_response_with_an_engine_index(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter()
+    call = sender.ready_call("dense", fixture_bytes("dp2-rank1", "json"), "json", "default", engine=1)
+    outcome = send(exporter, call)
+    assert isinstance(outcome, sender.Accepted)
+    assert [engine["engine"] for engine in outcome.state["engines"]] == [1]
+
+
+def test_labels_heartbeat_and_goodbye_of_one_replica(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter()
+    labels = {"mamba_cache_mode": "align", "block_size": "16"}
+    configured = send(exporter, sender.cache_config_call("org/hybrid", labels, "r1", heartbeat=5.0))
+    assert isinstance(configured, sender.Accepted)
+    assert configured.state["static_labels"]["mamba_cache_mode"] == "align"
+
+    assert send(exporter, sender.heartbeat_call("org/hybrid", "r1", 5.0)) == sender.Accepted(None)
+    assert send(exporter, sender.goodbye_call("org/hybrid", "r1")) == sender.Accepted(None)
+    assert held(exporter, "org/hybrid", "r1") is None
+
+    forgotten = send(exporter, sender.heartbeat_call("org/hybrid", "r1", 5.0))
+    assert isinstance(forgotten, sender.Refused)
+    assert (forgotten.status, forgotten.field) == (404, "replica")
+
+
+def test_a_refusal_names_the_field_the_exporter_refused(start_exporter: Callable[..., ExporterProcess]) -> None:
+    exporter = start_exporter()
+    outcome = send(exporter, sender.ready_call("qwen", b'{"max_model_len": 0, "num_gpu_blocks": 1}', "json", "r1"))
+
+    assert isinstance(outcome, sender.Refused)
+    assert (outcome.status, outcome.field) == (422, "$.max_model_len")
+    assert str(outcome) == f"HTTP 422: {outcome.detail} (field $.max_model_len)"
+    assert outcome.detail
+    assert held(exporter, "qwen", "r1") is None
+
+
+def test_a_port_nobody_listens_on_is_unreachable() -> None:
+    outcome = sender.send(f"http://127.0.0.1:{free_port()}", sender.goodbye_call("qwen", "r1"), TIMEOUT, client="test")
+    assert isinstance(outcome, sender.Unreachable)
+    assert "Connection refused" in str(outcome)
+
+
+def test_the_ingest_token_from_a_file(start_exporter: Callable[..., ExporterProcess], tmp_path: Path) -> None:
+    token_file = tmp_path / "ingest.token"
+    token_file.write_text("  s3cr3t-ingest  \n")
+    exporter = start_exporter("--web.ingest-token-file", str(token_file))
+    call = sender.ready_call("qwen", fixture_bytes("hybrid-tp1-post50809"), "msgpack", "r1")
+
+    without = send(exporter, call)
+    assert isinstance(without, sender.Refused)
+    assert (without.status, without.field) == (401, "Authorization")
+
+    token = sender.read_token(token_file)
+    assert token == "s3cr3t-ingest"
+    assert isinstance(send(exporter, call, sender.bearer(token)), sender.Accepted)
+
+
+def test_tokens_that_cannot_be_read_or_sent(tmp_path: Path) -> None:
+    with pytest.raises(sender.TokenError, match="No such file"):
+        sender.read_token(tmp_path / "missing")
+    with pytest.raises(sender.TokenError, match="cannot have"):
+        sender.bearer("two words")
+    (tmp_path / "empty").write_text("\n")
+    assert sender.read_token(tmp_path / "empty") == ""
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """A reverse proxy in front of the exporter that answers on its own: what it says is not the exporter's."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, body = (502, b"Bad Gateway\n") if "/ready?" in self.path else (200, b"<html>sign in</html>")
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet."""
+
+
+@pytest.fixture
+def proxy() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_answers_that_are_not_the_exporters(proxy: str) -> None:
+    refused = sender.send(proxy, sender.ready_call("qwen", b"{}", "json", "r1"), TIMEOUT, client="test")
+    assert refused == sender.Refused(502, "Bad Gateway", None)
+
+    not_json = sender.send(proxy, sender.heartbeat_call("qwen", "r1", 30.0), TIMEOUT, client="test")
+    assert isinstance(not_json, sender.Unreachable)
+    assert "not the exporter's JSON" in str(not_json)
+
+
+def test_a_list_of_urls_is_split_on_commas_and_spaces() -> None:
+    assert sender.split_urls(" http://a:1/, http://b:2  http://c:3//,") == ["http://a:1", "http://b:2", "http://c:3"]
+    assert sender.split_urls("  ") == []
+
+
+def test_cache_config_labels_travel_as_json() -> None:
+    call = sender.cache_config_call("qwen", {"block_size": "16"}, "r1")
+    assert (call.method, call.content_type, json.loads(call.body or b"")) == (
+        "PUT",
+        "application/json",
+        {"block_size": "16"},
+    )
