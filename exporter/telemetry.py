@@ -17,7 +17,7 @@ from collections import Counter as Counts
 from collections.abc import Callable, Iterator
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector, disable_created_metrics
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -25,6 +25,9 @@ from prometheus_client.registry import Collector
 from exporter import __version__
 
 MULTIPROCESS_ENVIRONMENT = "PROMETHEUS_MULTIPROC_DIR"
+# No ``*_created`` series: a counter's start shows in process_start_time_seconds (and this process owns
+# prometheus_client: nothing else in it renders metrics).
+disable_created_metrics()
 REJECTION_REASONS = (
     "malformed",
     "invalid",
