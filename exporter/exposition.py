@@ -18,7 +18,6 @@ tail yet sends one valid gzip stream.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import zlib
@@ -93,9 +92,8 @@ def negotiate(accept: str) -> Format:
     return best
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _pair(label: str, value: str) -> str:
-    """``label="value"``, escaped; cached: most pairs (``cache_dtype="auto"``) repeat on every engine."""
+    """``label="value"``, escaped as both formats escape label values."""
     escaped = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
     return f'{label}="{escaped}"'
 
