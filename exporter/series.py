@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporter.replicas import Replica
+from protocol import KVCacheGroups
 
 Labels = tuple[tuple[str, str], ...]
 Sample = tuple[Labels, float]
@@ -53,14 +54,42 @@ DISTINCT = Family(
     "Distinct values the engines of a replica report for a field; above 1 they disagree and the lowest "
     "engine index wins.",
 )
-PARALLEL = Family("data_parallel_size", "Data-parallel size the engines of a replica report (the largest).")
+SOURCE = Family(
+    "mamba_block_size_source_info",
+    "Where an engine's true mamba_block_size came from: kv_cache_groups (the engine core's own KV-cache groups, "
+    "reported by the plugin) or sync_rule (a rule over the ready response, for pushes without groups).",
+)
+GROUP_INFO = Family(
+    "kv_cache_group_info",
+    "One KV-cache group of an engine core (layers sharing one block table), as the engine core holds it: kind, "
+    "spec class, block size in tokens, page size in bytes, sliding window or attention chunk, drafter's layers.",
+)
+# Per-group figures, labelled deployment, replica, engine, group and kind.
+GROUP_GAUGES = (
+    (Family("kv_cache_group_block_size", "Block size in tokens this KV-cache group of the engine runs with."),
+     lambda group: group.block_size),
+    (Family("kv_cache_group_layers", "Model layers in this KV-cache group."), lambda group: len(group.layers)),
+    (Family(
+        "kv_cache_group_blocks_per_request",
+        "Blocks one request of max_model_len takes from the engine's shared pool in this group, as the engine "
+        "computed it; cache_config_num_gpu_blocks over their sum is the engine's concurrency.",
+    ), lambda group: group.blocks_per_request),
+)  # fmt: skip
+PARALLEL = Family(
+    "data_parallel_size",
+    "Data-parallel size of a replica: the largest its engines report, and at least its highest engine index + 1 "
+    "(vLLM runs a dense model's ranks as independent engines that report 1).",
+)
 SEEN = Family("last_seen_timestamp_seconds", "When the replica's sender was last heard from, in Unix seconds.")
 HEARTBEAT = Family(
     "heartbeat_interval_seconds",
     "Seconds between the heartbeats the replica's sender promised; it expires after missing several of them. "
     "Absent for one-off pushes, which never expire.",
 )
-FAMILIES = (INFO, *ENGINE_GAUGES, UPDATED, DISTINCT, PARALLEL, SEEN, HEARTBEAT)
+FAMILIES = (
+    INFO, *ENGINE_GAUGES, SOURCE, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED, DISTINCT, PARALLEL,
+    SEEN, HEARTBEAT,
+)  # fmt: skip
 
 
 def replica_samples(replica: Replica) -> tuple[list[Sample], ...]:
@@ -81,9 +110,32 @@ def replica_samples(replica: Replica) -> tuple[list[Sample], ...]:
                 value = getattr(figures, family.suffix)
                 if value is not None:
                     samples[family].append((engine_identity, value))
+            if figures.mamba_block_size_source is not None:
+                samples[SOURCE].append(((*engine_identity, ("source", figures.mamba_block_size_source)), 1.0))
+            if figures.kv_cache_groups is not None:
+                _group_samples(samples, engine_identity, figures.kv_cache_groups)
             samples[UPDATED].append((engine_identity, replica.engines[engine].received_at))
         for field, count in synced.distinct_values.items():
             samples[DISTINCT].append(((*identity, ("field", field)), count))
         if synced.data_parallel_size is not None:
             samples[PARALLEL].append((identity, synced.data_parallel_size))
     return tuple(samples[family] for family in FAMILIES)
+
+
+def _group_samples(samples: dict[Family, list[Sample]], engine_identity: Labels, groups: KVCacheGroups) -> None:
+    """An engine's KV-cache groups: an info sample and the figures of each, in the engine core's order."""
+    for index, group in enumerate(groups.groups):
+        identity = (*engine_identity, ("group", str(index)), ("kind", group.kind))
+        described = (
+            ("spec", group.spec),
+            ("block_size", str(group.block_size)),
+            ("page_size_bytes", str(group.page_size_bytes)),
+            ("sliding_window", str(group.sliding_window)),
+            ("attention_chunk_size", str(group.attention_chunk_size)),
+            ("draft", str(group.draft)),
+        )
+        samples[GROUP_INFO].append(((*identity, *described), 1.0))
+        for family, value_of in GROUP_GAUGES:
+            value = value_of(group)
+            if value is not None:
+                samples[family].append((identity, value))

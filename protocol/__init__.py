@@ -6,19 +6,28 @@ Free of web and metrics imports, so that an engine-side sender can use it alone.
 from protocol.errors import InvalidPayload, MalformedPayload, SyncConflict
 from protocol.labels import decode_static_labels
 from protocol.ready_response import (
+    KV_CACHE_GROUPS_KEY,
     EngineCoreReadyResponse,
+    KVCacheGroup,
+    KVCacheGroups,
     decode_as_sent,
     decode_ready_response,
     encode_ready_response,
     is_set,
+    spec_kind,
 )
 from protocol.releases import Release, release_of, releases
-from protocol.sync import EngineFigures, SyncedConfig, check_engine_index, sync
+from protocol.sync import FROM_GROUPS, FROM_RULE, EngineFigures, SyncedConfig, check_engine_index, sync
 
 __all__ = [
+    "FROM_GROUPS",
+    "FROM_RULE",
+    "KV_CACHE_GROUPS_KEY",
     "EngineCoreReadyResponse",
     "EngineFigures",
     "InvalidPayload",
+    "KVCacheGroup",
+    "KVCacheGroups",
     "MalformedPayload",
     "Release",
     "SyncConflict",
@@ -31,5 +40,6 @@ __all__ = [
     "is_set",
     "release_of",
     "releases",
+    "spec_kind",
     "sync",
 ]

@@ -7,10 +7,16 @@ every later field defaults to ``UNSET`` so that a decoded payload tells which
 keys its engine sent (an absent key and an explicit ``None`` mean different
 things to the sync). Unknown keys from newer engines are ignored here; the
 exporter keeps the bytes as received, so nothing is lost.
+
+One key is this project's own: ``cache_config_exporter_kv_cache_groups``, the
+engine core's KV-cache groups, which the plugin adds to the response in the
+engine-core process (vLLM's frontend ignores keys it does not know). It is the
+ground truth of every group's block size; without it the sync falls back to rules.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -39,6 +45,11 @@ Rank = Annotated[int, Meta(ge=0, le=MAX_PARALLEL - 1)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 # NaN fails ``ge`` and infinity fails ``le``: both are rejected.
 Concurrency = Annotated[float, Meta(ge=0.0, le=float(MAX_TOKENS))]
+# vLLM names layers by their module path (``model.layers.0.self_attn.attn``).
+MAX_LAYERS = 4096
+MAX_GROUPS = 256
+MAX_PAGE_BYTES = 1 << 48
+LayerName = Annotated[str, Meta(max_length=MAX_TEXT)]
 # A Prometheus label name that is not reserved (``__``) and not one the exporter adds itself.
 LABEL_NAME_PATTERN = r"^(?!__)(?!(deployment|engine|replica)$)[a-zA-Z_][a-zA-Z0-9_]{0,127}$"
 LabelName = Annotated[str, Meta(pattern=LABEL_NAME_PATTERN)]
@@ -57,6 +68,51 @@ class KVEventsConfig(msgspec.Struct, kw_only=True):
     hwm: BlockCount | UnsetType = UNSET
     max_queue_size: BlockCount | UnsetType = UNSET
     topic: Text | UnsetType = UNSET
+
+
+# The key under which the plugin adds the engine core's KV-cache groups to a ready response.
+KV_CACHE_GROUPS_KEY = "cache_config_exporter_kv_cache_groups"
+_WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def spec_kind(spec: str) -> str:
+    """A KV-cache spec class as a kind: snake case without ``Spec`` (``MLAAttentionSpec`` -> ``mla_attention``).
+
+    A class this project has never heard of keeps its own name, so a new kind shows as what vLLM calls it.
+    """
+    return _WORD_START.sub("_", spec.removesuffix("Spec")).lower() or spec
+
+
+class KVCacheGroup(msgspec.Struct, kw_only=True, frozen=True):
+    """One of the engine core's KV-cache groups: layers that share one block table (vLLM's ``KVCacheGroupSpec``)."""
+
+    # The class of the group's ``kv_cache_spec``; for ``UniformTypeKVCacheSpecs``, that of the layers' specs.
+    spec: Text
+    block_size: BlockSize
+    page_size_bytes: Annotated[int, Meta(ge=0, le=MAX_PAGE_BYTES)]
+    layers: Annotated[list[LayerName], Meta(max_length=MAX_LAYERS)]
+    sliding_window: Tokens | None = None
+    attention_chunk_size: Tokens | None = None
+    # The group holds a speculative drafter's (EAGLE/MTP) layers.
+    draft: bool = False
+    # Blocks one request of max_model_len takes from the shared pool in this group, as the engine computed it.
+    blocks_per_request: BlockCount | None = None
+
+    @property
+    def kind(self) -> str:
+        return spec_kind(self.spec)
+
+
+class KVCacheGroups(msgspec.Struct, kw_only=True, frozen=True):
+    """The engine core's ``KVCacheConfig`` as the scheduler holds it after the KV cache is up."""
+
+    num_blocks: BlockCount
+    groups: Annotated[list[KVCacheGroup], Meta(max_length=MAX_GROUPS)]
+    # Tokens per prefix-cache block hash, as the engine core resolved it (vLLM 0.32+).
+    hash_block_size: BlockSize | None = None
+
+    def block_sizes(self, kind: str) -> list[int]:
+        return [group.block_size for group in self.groups if group.kind == kind]
 
 
 class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
@@ -95,20 +151,23 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
     cache_config_info: Labels | UnsetType | None = UNSET
     config_hash: Text | UnsetType | None = UNSET
     enable_expert_parallel: bool | UnsetType = UNSET
+    kv_cache_groups: KVCacheGroups | UnsetType = msgspec.field(default=UNSET, name=KV_CACHE_GROUPS_KEY)
 
     def sent(self, name: str) -> bool:
         """True when the engine put this field on the wire (``None`` included)."""
         return getattr(self, name) is not UNSET
 
     def sent_keys(self) -> frozenset[str]:
-        """The fields the engine put on the wire (known ones; unknown keys are not decoded)."""
-        return frozenset(name for name in self.__struct_fields__ if self.sent(name))
+        """vLLM's fields the engine put on the wire (known ones; unknown keys and the plugin's are not counted)."""
+        return frozenset(name for name in _VLLM_FIELDS if self.sent(name))
 
     def reported(self, name: str) -> Any:
         """A field's value, ``None`` when the engine did not send it or sent ``None``."""
         value = getattr(self, name)
         return None if value is UNSET else value
 
+
+_VLLM_FIELDS = tuple(name for name in EngineCoreReadyResponse.__struct_fields__ if name != "kv_cache_groups")
 
 MSGPACK = "msgpack"
 JSON = "json"

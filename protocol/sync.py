@@ -10,13 +10,18 @@ re-reports replaces its own contribution, the result is the same in any order
 (the lowest engine index wins where vLLM takes the last to answer), and the
 frontend's already-summed ``num_gpu_blocks`` is never counted twice.
 
-And it corrects vLLM where its metric is wrong. In ``align`` and ``all`` mode
-the workers set ``mamba_block_size = block_size`` after raising the attention
+And it corrects vLLM where its metric is wrong. The truth is the engine
+core's own KV-cache groups, which the plugin adds to each ready response: the
+Mamba group's block size is the true ``mamba_block_size``. Without them (a raw
+push, an older plugin) a rule stands in: in ``align`` and ``all`` mode the
+workers set ``mamba_block_size = block_size`` after raising the attention
 block, and the engine core reports the smallest KV-cache group's block size,
-which is the Mamba group's: so the reported ``block_size`` IS the true
-``mamba_block_size`` (vLLM shows the configured value, or in 0.29+ the engine
-core's copy, which stays configured whenever the alignment ran in worker
-processes). In ``none`` mode the configured value is the true one.
+which is the Mamba group's, so the reported ``block_size`` is taken (vLLM shows
+the configured value, or in 0.29+ the engine core's copy, which stays configured
+whenever the alignment ran in worker processes); in ``none`` mode the
+configured value. The rule breaks where vLLM's smallest group is not the Mamba
+group (a drafter's attention group, an explicit ``--block-size``), which the
+groups never do. Each engine's figures say which of the two a value came from.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import msgspec
 
 from protocol.errors import InvalidPayload, SyncConflict
 from protocol.labels import parse_int
-from protocol.ready_response import EngineCoreReadyResponse
+from protocol.ready_response import EngineCoreReadyResponse, KVCacheGroups
 from protocol.releases import newest, release_of
 
 ALIGNED_MODES = frozenset({"align", "all"})
+# Where an engine's true mamba_block_size came from.
+FROM_GROUPS = "kv_cache_groups"
+FROM_RULE = "sync_rule"
 # Fields every engine of one vLLM server must agree on; vLLM asserts it.
 _SHARED_ADDRESSES = ("dp_stats_address", "coordinator_input_address", "coordinator_output_address")
 
@@ -45,6 +53,9 @@ class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     kv_cache_size_tokens: int | None
     kv_cache_max_concurrency: float | None
+    # ``kv_cache_groups`` when the engine core's groups gave mamba_block_size, ``sync_rule`` when a rule did.
+    mamba_block_size_source: str | None
+    kv_cache_groups: KVCacheGroups | None
 
 
 class SyncedConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,7 +136,14 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
     figures: dict[int, EngineFigures] = {}
     for index, response in zip(sorted(engines), ordered, strict=True):
         own_block = response.reported("block_size")
-        true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
+        groups = response.reported("kv_cache_groups")
+        if groups is not None:
+            # The engine's own groups: its Mamba groups' block size, and none without Mamba groups.
+            true_mamba = _first(groups.block_sizes("mamba"))
+            source = FROM_GROUPS
+        else:
+            true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
+            source = FROM_RULE
         figures[index] = EngineFigures(
             block_size=own_block if own_block is not None else parse_int(labels.get("block_size")),
             mamba_block_size=true_mamba,
@@ -136,11 +154,17 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
             max_model_len=response.max_model_len,
             kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
             kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
+            mamba_block_size_source=source if true_mamba is not None else None,
+            kv_cache_groups=groups,
         )
     if figures:
         labels["mamba_block_size"] = str(figures[min(figures)].mamba_block_size)
 
+    # Dense data-parallel ranks run as independent engines that report size 1 (vLLM's
+    # ``reconfigure_for_independent_dp_rank``): their engine indexes show the real size.
     parallel = [size for r in ordered if (size := r.reported("data_parallel_size")) is not None]
+    if parallel:
+        parallel.append(max(engines) + 1)
     return SyncedConfig(
         release=release.version,
         labels=labels,
@@ -157,12 +181,17 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
 
 
 def check_engine_index(engine: int, response: EngineCoreReadyResponse) -> None:
-    """Refuse a response whose engine index cannot exist in its own data-parallel group."""
+    """Refuse a response whose engine index cannot exist in its own data-parallel group.
+
+    A data-parallel size of 1 is an independent rank (a dense model's DP rank, run by
+    vLLM as an engine of its own): any index. Above 1 the engines form one group, and
+    vLLM gives them the indexes below the size.
+    """
     rank = response.reported("data_parallel_rank")
     size = response.reported("data_parallel_size")
     if rank is not None and rank != engine:
         raise InvalidPayload(
             "$.data_parallel_rank", f"engine index {engine} from the request differs from data_parallel_rank {rank}"
         )
-    if size is not None and engine >= size:
+    if size is not None and size > 1 and engine >= size:
         raise InvalidPayload("$.data_parallel_rank", f"engine index {engine} is outside data_parallel_size {size}")

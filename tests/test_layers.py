@@ -60,7 +60,7 @@ def test_the_protocol_imports_no_web_or_metrics_stack_and_nothing_of_the_exporte
     assert not roots & (WEB_AND_METRICS | {"exporter"}), name
 
 
-@pytest.mark.parametrize("name", ["exporter.sender", "exporter.vllm_plugin"])
+@pytest.mark.parametrize("name", ["exporter.sender", "exporter.vllm_plugin", "exporter.vllm_engine_groups"])
 def test_what_runs_inside_vllm_imports_no_web_or_metrics_stack(name: str) -> None:
     roots = {imported.split(".")[0] for imported in _imports(MODULES[name])}
     assert not roots & WEB_AND_METRICS, name

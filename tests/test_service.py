@@ -175,7 +175,7 @@ BAD_REQUESTS = [
     ("JSON array", "POST", READY, b"[1, 2]", {"Content-Type": "application/json"}, 422, "$"),
     ("no content type", "POST", READY, fixture_bytes("hybrid-tp1-post50809"), {}, 415, "Content-Type"),
     ("text body", "POST", READY, b"hello", {"Content-Type": "text/plain"}, 415, "Content-Type"),
-    ("rank outside dp size", "POST", READY, _mutated(data_parallel_rank=1, data_parallel_size=1), MSGPACK, 422,
+    ("rank outside dp size", "POST", READY, _mutated(data_parallel_rank=2, data_parallel_size=2), MSGPACK, 422,
      "$.data_parallel_rank"),
     ("engine query against rank", "POST", READY + "?engine=2", fixture_bytes("hybrid-tp1-post50809"), MSGPACK, 422,
      "$.data_parallel_rank"),

@@ -134,3 +134,15 @@ def test_an_engine_index_outside_data_parallel_size_is_refused() -> None:
         check_engine_index(0, response("dp2-rank1"))
     check_engine_index(1, response("dp2-rank1"))
     check_engine_index(7, response("minimal-pre42967"))
+
+
+def test_a_dense_data_parallel_rank_is_an_independent_engine_of_size_one() -> None:
+    """vLLM runs each dense DP rank as its own engine: data_parallel_size 1, data_parallel_rank its index."""
+    independent = [msgspec.structs.replace(response("dense-post50809"), data_parallel_rank=rank,
+                                           data_parallel_size=1, num_gpu_blocks=8192) for rank in (0, 1)]  # fmt: skip
+    for rank, engine in enumerate(independent):
+        check_engine_index(rank, engine)
+    synced = sync({}, dict(enumerate(independent)))
+    # vLLM's frontend sums the engines' blocks; the replica has two data-parallel engines.
+    assert synced.labels["num_gpu_blocks"] == "16384"
+    assert synced.data_parallel_size == 2

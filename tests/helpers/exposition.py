@@ -20,8 +20,17 @@ _ENGINE_FAMILIES = (
     "max_model_len",
     "kv_cache_size_tokens",
     "kv_cache_max_concurrency",
+    "mamba_block_size_source_info",
     "last_update_timestamp_seconds",
 )
+# Per KV-cache group of an engine; the info family also describes the group.
+_GROUP_FAMILIES = (
+    "kv_cache_group_info",
+    "kv_cache_group_block_size",
+    "kv_cache_group_layers",
+    "kv_cache_group_blocks_per_request",
+)
+_GROUP_DESCRIPTION = ("spec", "block_size", "page_size_bytes", "sliding_window", "attention_chunk_size", "draft")
 _REPLICA_FAMILIES = (
     "distinct_values",
     "data_parallel_size",
@@ -78,8 +87,11 @@ def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tup
                 "data_parallel_size": {"deployment", "replica"},
                 "last_seen_timestamp_seconds": {"deployment", "replica"},
                 "heartbeat_interval_seconds": {"deployment", "replica"},
-            }.get(suffix, {"deployment", "replica", "engine"})
-            assert suffix in ("info", *_REPLICA_FAMILIES, *_ENGINE_FAMILIES), sample
+                "mamba_block_size_source_info": {"deployment", "replica", "engine", "source"},
+                "kv_cache_group_info": {"deployment", "replica", "engine", "group", "kind", *_GROUP_DESCRIPTION},
+            }.get(suffix, {"deployment", "replica", "engine", "group", "kind"} if suffix in _GROUP_FAMILIES
+                  else {"deployment", "replica", "engine"})  # fmt: skip
+            assert suffix in ("info", *_REPLICA_FAMILIES, *_ENGINE_FAMILIES, *_GROUP_FAMILIES), sample
             assert set(sample.labels) >= expected if suffix == "info" else set(sample.labels) == expected, sample
             found.append((sample.name, tuple(sorted(sample.labels.items())), sample.value))
     return sorted(found)
