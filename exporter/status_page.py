@@ -15,6 +15,7 @@ from urllib.parse import quote
 from exporter import __version__
 from exporter.replicas import Replica, ReplicaKey
 from exporter.views import ReplicaView, view
+from protocol import EngineFigures
 
 # Beyond this many replicas the page lists the first ones and points at the JSON for the rest.
 MAX_LISTED_REPLICAS = 500
@@ -73,6 +74,16 @@ def _disagreements(deployment: ReplicaView) -> list[str]:
     return sentences
 
 
+def _groups(figures: EngineFigures) -> str:
+    """The engine core's groups in its order, each ``kind block_size``, a drafter's marked."""
+    if figures.kv_cache_groups is None:
+        return '<span class="muted">not reported</span>'
+    return ", ".join(
+        f"{escape(group.kind)} {group.block_size}" + (" (draft)" if group.draft else "")
+        for group in figures.kv_cache_groups.groups
+    )
+
+
 def _replica_section(deployment: ReplicaView, now: float) -> str:
     json_link = "/api/v1/deployments/" + quote(deployment.deployment, safe="/")
     expected = deployment.data_parallel_size
@@ -87,7 +98,8 @@ def _replica_section(deployment: ReplicaView, now: float) -> str:
             cells.append(f'<td class="differs">{_value(value)}</td>' if differs else f"<td>{_value(value)}</td>")
         rows.append(
             f"<tr><td>{engine.engine}</td>{''.join(cells)}<td>{_value(figures.num_gpu_blocks)}</td>"
-            f'<td>{_value(figures.max_model_len)}</td><td class="name">{_when(engine.received_at, now)}</td></tr>'
+            f'<td>{_value(figures.max_model_len)}</td><td class="name">{_groups(figures)}</td>'
+            f'<td class="name">{_when(engine.received_at, now)}</td></tr>'
         )
     return (
         f'<section class="deployment"><h2 id="{_anchor(deployment)}">{_title(deployment)}</h2>'
@@ -97,7 +109,7 @@ def _replica_section(deployment: ReplicaView, now: float) -> str:
         f"last seen {_when(deployment.last_seen, now)} "
         f'· <a href="{escape(json_link)}">JSON</a></p>'
         "<table><tr><th>engine</th><th>block size</th><th>mamba block size</th><th>GPU blocks</th>"
-        '<th>max model len</th><th class="name">last report</th></tr>'
+        '<th>max model len</th><th class="name">KV-cache groups: block size</th><th class="name">last report</th></tr>'
         f"{''.join(rows)}</table></section>"
     )
 
