@@ -45,6 +45,10 @@ ENGINE_GAUGES = (
     Family("max_model_len", "Longest sequence this engine accepts, in tokens."),
     Family("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
     Family("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
+    Family(
+        "hash_block_size",
+        "Tokens per prefix-cache block hash as this engine core resolved it (absent without its KV-cache groups).",
+    ),
 )
 UPDATED = Family(
     "last_update_timestamp_seconds", "When this engine's last ready response was accepted, in Unix seconds."

@@ -55,6 +55,8 @@ class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_max_concurrency: float | None
     # ``kv_cache_groups`` when the engine core's groups gave mamba_block_size, ``sync_rule`` when a rule did.
     mamba_block_size_source: str | None
+    # Tokens per prefix-cache block hash as the engine core resolved it (only its groups report tell).
+    hash_block_size: int | None
     kv_cache_groups: KVCacheGroups | None
 
 
@@ -155,6 +157,7 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
             kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
             kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
             mamba_block_size_source=source if true_mamba is not None else None,
+            hash_block_size=groups.hash_block_size if groups is not None else None,
             kv_cache_groups=groups,
         )
     if figures:

@@ -208,6 +208,7 @@ def test_each_group_shows_and_the_mamba_group_gives_the_true_mamba_block_size(cl
     assert info_labels(exposition, "qwen")["0"]["mamba_block_size"] == "640"
     assert engine_values(exposition, "cache_config_mamba_block_size") == {("0",): 640}
     assert engine_values(exposition, "cache_config_vllm_mamba_block_size") == {("0",): 16}
+    assert engine_values(exposition, "cache_config_hash_block_size") == {("0",): 640}
     (source,) = samples(exposition, "cache_config_mamba_block_size_source_info")
     assert source.labels["source"] == "kv_cache_groups"
     assert engine_values(exposition, "cache_config_kv_cache_group_block_size") == {

@@ -20,6 +20,7 @@ _ENGINE_FAMILIES = (
     "max_model_len",
     "kv_cache_size_tokens",
     "kv_cache_max_concurrency",
+    "hash_block_size",
     "mamba_block_size_source_info",
     "last_update_timestamp_seconds",
 )
