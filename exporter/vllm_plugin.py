@@ -20,21 +20,32 @@ first, retrying with capped exponential backoff until they are delivered or
 superseded, so an exporter away for any length of time loses nothing and
 memory stays bounded by the number of engines. Once delivered, a small
 heartbeat keeps the replica alive; a heartbeat the exporter does not know
-(a new or restarted exporter) sends the whole state again; a clean exit of
-vLLM says goodbye. Nothing ever raises into vLLM or waits for an exporter.
+(a new or restarted exporter) sends the whole state again. Those rules are
+``exporter/plugin_outbox.py``'s; this module holds the threads and vLLM's side.
 
-Imports only the standard library, and vLLM (with its msgspec) only once
-vLLM calls in, so that loading the plugin costs nothing where it is switched off.
+In the engine-core process, ``exporter/vllm_engine_groups.py`` adds the engine's
+own KV-cache groups to the ready response it builds, so they arrive here with it.
+
+A clean shutdown of vLLM says goodbye as soon as vLLM has shut its client down
+(``MPClient.shutdown`` is wrapped too): each API-server process of
+``--api-server-count`` or data parallelism does that as it stops, and vLLM's
+main process may kill them right after, before any exit handler. Otherwise the
+exit of the process says it (``atexit`` in the main process, multiprocessing's
+exit function in its children). Nothing ever raises into vLLM or waits for an
+exporter.
+
+Imports only the standard library and the project's modules that do too, and
+vLLM (with its msgspec) only once vLLM calls in, so that loading the plugin
+costs nothing where it is switched off.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
-import itertools
 import logging
 import math
+import multiprocessing.util
 import os
 import re
 import socket
@@ -44,9 +55,10 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 from exporter import sender
+from exporter.plugin_outbox import Attempt, Backoff, Outbox, Update, Verdict
 
 URL_VARIABLE = "CACHE_CONFIG_EXPORTER_URL"
 DEPLOYMENT_VARIABLE = "CACHE_CONFIG_EXPORTER_DEPLOYMENT"
@@ -60,13 +72,13 @@ DEFAULT_HEARTBEAT_SECONDS = 30.0
 # The heartbeat intervals the exporter accepts.
 MIN_HEARTBEAT_SECONDS = 1.0
 MAX_HEARTBEAT_SECONDS = 86400.0
-# Backoff while an exporter is away: doubling from the first wait up to the cap, and never beyond one
-# heartbeat interval, so that an exporter that is back has the whole state within one interval.
+# Backoff while an exporter is away (``plugin_outbox.Backoff``): doubling from the first wait up to the cap, and
+# never beyond one heartbeat interval, so that an exporter that is back has the whole state within one interval.
 FIRST_RETRY_SECONDS = 0.5
 MAX_RETRY_SECONDS = 30.0
-# Answers that may change on their own (401 and 403 too: the token file may be rotated);
-# any other refusal (400, 409, 422, ...) is final for what was sent.
-RETRY_STATUSES = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
+# Of the exit finalizers of ``multiprocessing``, which run in its child processes too, the goodbye runs first:
+# it waits at most the timeout, where pools and queues after it may wait for other processes.
+GOODBYE_EXIT_PRIORITY = 100
 # vLLM's API server port when ``--port`` is not given.
 VLLM_DEFAULT_PORT = "8000"
 # Set on the wrapper: marks the method as patched and lets tests reach its forwarder.
@@ -227,92 +239,31 @@ def engine_and_run(payload: bytes) -> tuple[int, str | None]:
     return engine, run if isinstance(run, str) and run else None
 
 
-class _Update(NamedTuple):
-    """One ready response as the frontend applied it, with the frontend's labels at that moment."""
-
-    deployment: str
-    replica: str
-    config: dict[str, str]
-    engine: int
-    run: str | None
-    payload: bytes
-
-
-@dataclass
-class _Replica:
-    """What one exporter must end up holding of one replica: its newest labels, the newest response per engine.
-
-    Every item carries a version; it is delivered when its version is the one last accepted.
-    """
-
-    deployment: str
-    name: str
-    config: dict[str, str] | None = None
-    config_version: int = 0
-    config_delivered: int = 0
-    run: str | None = None
-    engines: dict[int, tuple[int, bytes]] = field(default_factory=dict)
-    engines_delivered: dict[int, int] = field(default_factory=dict)
-    # The exporter took part of this state: heartbeats keep it there, and the goodbye removes it.
-    held: bool = False
-    next_heartbeat: float = math.inf
-
-    def undelivered(self) -> int:
-        config = int(self.config_version != self.config_delivered)
-        return config + sum(
-            self.engines_delivered.get(index) != version for index, (version, _) in self.engines.items()
-        )
-
-    def forget_delivery(self) -> None:
-        """The exporter does not hold this replica: everything goes again."""
-        self.config_delivered = 0
-        self.engines_delivered.clear()
-        self.held = False
-        self.next_heartbeat = math.inf
-
-
-class _Attempt(NamedTuple):
-    replica: _Replica
-    kind: Literal["config", "engine", "heartbeat"]
-    engine: int
-    version: int
-    call: sender.Call
-
-
 class Delivery:
-    """Delivers one replica's state to one exporter from its own daemon thread, until delivered or superseded."""
+    """Delivers one replica's state to one exporter from its own daemon thread, until delivered or superseded.
+
+    What is due when, and what an answer means, is the ``Outbox``'s; this holds the thread, the lock, the clock
+    and the log.
+    """
 
     def __init__(self, url: str, target: Target) -> None:
         self.url = url
         self._target = target
         self._condition = threading.Condition()
-        self._replicas: dict[tuple[str, str], _Replica] = {}
-        self._versions = itertools.count(1)
+        backoff = Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS, target.heartbeat_seconds)
+        self._outbox = Outbox(target.heartbeat_seconds, backoff)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._goodbye = False
-        self._retry_at = 0.0
-        self._delay = FIRST_RETRY_SECONDS
-        self._failing = False
         self._refusals: set[tuple[str, str]] = set()
         self._token: str | None = None
 
-    def offer(self, update: _Update) -> None:
+    def offer(self, update: Update) -> None:
         """Take ``update`` as the newest state of its engine (and labels); never blocks on the exporter."""
         with self._condition:
             if self._closed:
                 return
-            key = (update.deployment, update.replica)
-            replica = self._replicas.setdefault(key, _Replica(update.deployment, update.replica))
-            if update.config != replica.config:
-                replica.config = update.config
-                replica.config_version = next(self._versions)
-            if update.run is not None and update.run != replica.run:
-                # A new run of this server: the exporter drops the previous run's engines, and so does this.
-                replica.run = update.run
-                replica.engines.clear()
-                replica.engines_delivered.clear()
-            replica.engines[update.engine] = (next(self._versions), update.payload)
+            self._outbox.offer(update)
             # ``is_alive`` is False in a child forked after the thread started.
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=f"cache-config-exporter {self.url}", daemon=True)
@@ -322,12 +273,12 @@ class Delivery:
     def backlog(self) -> int:
         """How many items (labels, ready responses) this exporter has still to take."""
         with self._condition:
-            return self._backlog()
+            return self._outbox.backlog()
 
     def flush(self, timeout: float) -> bool:
         """Wait until this exporter holds everything offered; False on timeout."""
         with self._condition:
-            return self._condition.wait_for(lambda: self._closed or not self._backlog(), timeout)
+            return self._condition.wait_for(lambda: self._closed or not self._outbox.backlog(), timeout)
 
     def close(self, goodbye: bool = False) -> threading.Thread | None:
         """Stop after the request in flight, with ``goodbye`` first removing the replicas the exporter holds."""
@@ -337,106 +288,50 @@ class Delivery:
             self._condition.notify_all()
             return self._thread
 
-    def _backlog(self) -> int:
-        return sum(replica.undelivered() for replica in self._replicas.values())
-
     def _run(self) -> None:
-        while True:
+        """The thread: make each request once it is due and record what came of it, until closed."""
+        while (attempt := self._next_attempt()) is not None:
+            outcome = self._send(attempt.call)
             with self._condition:
-                attempt = self._wait_for_attempt()
-            if attempt is None:
-                break
-            self._make(attempt)
+                failing = self._outbox.failing
+                verdict = self._outbox.record(attempt, outcome, time.monotonic())
+                self._condition.notify_all()
+            self._log(attempt, outcome, verdict, failing)
         if self._goodbye:
             self._say_goodbye()
 
-    def _wait_for_attempt(self) -> _Attempt | None:
+    def _next_attempt(self) -> Attempt | None:
         """The next request to make, once it is due; ``None`` when closed."""
-        while not self._closed:
-            due = self._due(time.monotonic())
-            if isinstance(due, _Attempt):
-                return due
-            self._condition.wait(None if due == math.inf else due)
+        with self._condition:
+            while not self._closed:
+                due = self._outbox.due(time.monotonic())
+                if isinstance(due, Attempt):
+                    return due
+                self._condition.wait(None if due == math.inf else due)
         return None
 
-    def _due(self, now: float) -> _Attempt | float:
-        """The request due now, else the seconds until one is (``inf``: until something is offered).
-
-        Labels go before the ready responses they belong with; heartbeats only when everything is delivered.
-        """
-        if now < self._retry_at:
-            return self._retry_at - now
-        interval = self._target.heartbeat_seconds
-        for replica in self._replicas.values():
-            deployment, name = replica.deployment, replica.name
-            if replica.config_version != replica.config_delivered:
-                call = sender.cache_config_call(deployment, replica.config or {}, name, heartbeat=interval)
-                return _Attempt(replica, "config", 0, replica.config_version, call)
-            for index, (version, payload) in replica.engines.items():
-                if replica.engines_delivered.get(index) != version:
-                    call = sender.ready_call(deployment, payload, "msgpack", name, heartbeat=interval)
-                    return _Attempt(replica, "engine", index, version, call)
-        replica = min(self._replicas.values(), key=lambda replica: replica.next_heartbeat, default=None)
-        if replica is None or replica.next_heartbeat > now:
-            return math.inf if replica is None else replica.next_heartbeat - now
-        return _Attempt(replica, "heartbeat", 0, 0, sender.heartbeat_call(replica.deployment, replica.name, interval))
-
-    def _make(self, attempt: _Attempt) -> None:
-        """Make one request and record what came of it."""
-        outcome = self._send(attempt.call)
-        if isinstance(outcome, sender.Unreachable) or (
-            isinstance(outcome, sender.Refused) and outcome.status in RETRY_STATUSES
-        ):
-            with self._condition:
-                self._retry_at = time.monotonic() + self._delay
-                self._delay = min(2 * self._delay, MAX_RETRY_SECONDS, self._target.heartbeat_seconds)
-            self._report(self._described(attempt.call, outcome))
-            return
-        if isinstance(outcome, sender.Refused):
-            if attempt.kind == "heartbeat" and outcome.status == 404:
-                self._not_held(attempt.replica)
-                return
-            if attempt.kind == "config" and outcome.field and 400 <= outcome.status < 500:
-                self._refused(attempt.replica, outcome)
-            else:
-                self._report(self._described(attempt.call, outcome))
-            self._done(attempt, accepted=False)
-            return
-        self._done(attempt, accepted=True)
-        self._recovered()
-
-    def _done(self, attempt: _Attempt, accepted: bool) -> None:
-        """``attempt``'s item is delivered (or refused for good): only a newer version goes again."""
-        replica = attempt.replica
-        with self._condition:
-            if attempt.kind == "config":
-                replica.config_delivered = attempt.version
-            elif attempt.kind == "engine" and attempt.engine in replica.engines:
-                replica.engines_delivered[attempt.engine] = attempt.version
-            replica.held = replica.held or accepted
-            if replica.held:
-                replica.next_heartbeat = time.monotonic() + self._target.heartbeat_seconds
-            self._condition.notify_all()
-
-    def _not_held(self, replica: _Replica) -> None:
-        """A heartbeat the exporter does not know: it is new, restarted or lost its storage; send everything again."""
-        with self._condition:
-            replica.forget_delivery()
-            self._condition.notify_all()
-        logger.info(
-            "cache-config-exporter: %s does not hold replica %r of %r; sending its state again",
-            self.url,
-            replica.name,
-            replica.deployment,
-        )
-        self._recovered()
+    def _log(self, attempt: Attempt, outcome: sender.Outcome, verdict: Verdict, failing: bool) -> None:
+        """What came of ``attempt`` (``failing`` since an earlier one), in vLLM's log."""
+        if verdict is Verdict.LABELS_REFUSED and isinstance(outcome, sender.Refused):
+            self._refused(attempt.deployment, outcome)
+        elif verdict in (Verdict.RETRY, Verdict.REFUSED):
+            self._report(self._described(attempt.call, outcome), first=not failing)
+        else:
+            if verdict is Verdict.NOT_HELD:
+                logger.info(
+                    "cache-config-exporter: %s does not hold replica %r of %r; sending its state again",
+                    self.url,
+                    attempt.replica,
+                    attempt.deployment,
+                )
+            if failing:
+                logger.info("cache-config-exporter: %s is reachable again", self.url)
 
     def _say_goodbye(self) -> None:
         """Remove this server's replicas from the exporter: vLLM is shutting down cleanly. One attempt each."""
-        for replica in list(self._replicas.values()):
-            if not replica.held:
-                continue
-            call = sender.goodbye_call(replica.deployment, replica.name)
+        with self._condition:
+            calls = self._outbox.goodbyes()
+        for call in calls:
             outcome = self._send(call)
             if not isinstance(outcome, sender.Accepted):
                 logger.debug(
@@ -470,7 +365,7 @@ class Delivery:
         self._token = token
         return sender.bearer(token)
 
-    def _refused(self, replica: _Replica, refusal: sender.Refused) -> None:
+    def _refused(self, deployment: str, refusal: sender.Refused) -> None:
         """One warning per refused field and reason: the value is neither dropped silently nor converted."""
         if (refusal.field or "", refusal.detail) in self._refusals:
             return
@@ -479,7 +374,7 @@ class Delivery:
             "cache-config-exporter: %s refused the cache config of %r because of field %r: %s. "
             "Its ready responses are still forwarded, but the exporter does not show this field as vLLM has it.",
             self.url,
-            replica.deployment,
+            deployment,
             refusal.field,
             refusal.detail,
         )
@@ -487,12 +382,10 @@ class Delivery:
     def _redacted(self, message: str) -> str:
         return message.replace(self._token, "<token>") if self._token else message
 
-    def _report(self, message: str) -> None:
-        """One warning per outage: the first failure warns, the next ones are debug until a send succeeds."""
+    def _report(self, message: str, first: bool) -> None:
+        """One warning per outage: the ``first`` failure warns, the next ones are debug until a send succeeds."""
         message = self._redacted(message)
-        with self._condition:
-            failing, self._failing = self._failing, True
-        if failing:
+        if not first:
             logger.debug("cache-config-exporter: %s", message)
             return
         logger.warning(
@@ -500,19 +393,6 @@ class Delivery:
             "retried until the exporter takes it; further failures are logged at debug level until a send succeeds.",
             message,
         )
-
-    def _recovered(self) -> None:
-        """The exporter answered: back off from scratch; after an outage, check at once that it still holds us."""
-        with self._condition:
-            failing, self._failing = self._failing, False
-            self._delay = FIRST_RETRY_SECONDS
-            if failing:
-                now = time.monotonic()
-                for replica in self._replicas.values():
-                    if replica.held:
-                        replica.next_heartbeat = min(replica.next_heartbeat, now)
-        if failing:
-            logger.info("cache-config-exporter: %s is reachable again", self.url)
 
 
 class Forwarder:
@@ -523,7 +403,10 @@ class Forwarder:
         self.replica = replica_of(target.replica)
         self.deliveries = [Delivery(url, target) for url in target.urls]
         self._named: set[str] = set()
+        # The process that forwards (its first ready response arms the goodbye): only it says goodbye, once.
         self._goodbye_pid: int | None = None
+        self._goodbye_at_exit: multiprocessing.util.Finalize | None = None
+        self._said_goodbye = False
 
     def submit(self, client: object, payload: bytes) -> None:
         """Offer ``payload`` with ``client``'s deployment and labels to every exporter; never blocks, never raises.
@@ -535,7 +418,7 @@ class Forwarder:
         try:
             engine, run = engine_and_run(payload)
             deployment = deployment_of(client, self._target.deployment)
-            update = _Update(deployment, self.replica, static_config_of(client), engine, run, bytes(payload))
+            update = Update(deployment, self.replica, static_config_of(client), engine, run, bytes(payload))
         except Exception as error:
             logger.warning("cache-config-exporter: cannot read the ready response or vLLM's config: %r", error)
             return
@@ -549,7 +432,11 @@ class Forwarder:
             )
         if self._goodbye_pid is None:
             self._goodbye_pid = os.getpid()
-            atexit.register(self.goodbye)
+            # Run at exit through ``atexit`` in a main process, and by multiprocessing itself in its children:
+            # a forked one leaves through ``os._exit``, where ``atexit`` handlers never run.
+            self._goodbye_at_exit = multiprocessing.util.Finalize(
+                None, self.goodbye, exitpriority=GOODBYE_EXIT_PRIORITY
+            )
         for delivery in self.deliveries:
             delivery.offer(update)
 
@@ -563,10 +450,14 @@ class Forwarder:
         return all(delivery.flush(max(0.0, deadline - time.monotonic())) for delivery in self.deliveries)
 
     def goodbye(self) -> None:
-        """At vLLM's clean exit: every exporter forgets this replica at once. Waits at most the timeout in all."""
-        if self._goodbye_pid != os.getpid():
-            # A forked child inherits the exit handler, not the server: it must not remove the parent's replica.
+        """At vLLM's clean shutdown or exit: every exporter forgets this replica at once, and nothing more is sent.
+
+        Once per process, only in the process that forwards; waits at most the timeout in all.
+        """
+        if self._goodbye_pid != os.getpid() or self._said_goodbye:
+            # A forked child inherits the forwarder, not the server: it must not remove the parent's replica.
             return
+        self._said_goodbye = True
         threads = [delivery.close(goodbye=True) for delivery in self.deliveries]
         deadline = time.monotonic() + self._target.timeout_seconds
         for thread in threads:
@@ -575,13 +466,16 @@ class Forwarder:
 
     def close(self) -> None:
         """Stop every delivery thread after its request in flight, without goodbye (for tests)."""
-        atexit.unregister(self.goodbye)
+        if self._goodbye_at_exit is not None:
+            self._goodbye_at_exit.cancel()
         for thread in [delivery.close() for delivery in self.deliveries]:
             if thread is not None:
                 thread.join()
 
 
-def _wrap(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
+def _forwarding(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
+    """``MPClient._apply_ready_response`` that hands each response vLLM applied to ``forwarder``."""
+
     @functools.wraps(original)
     def _apply_ready_response(self: Any, payload: bytes, *args: Any, **kwargs: Any) -> Any:
         result = original(self, payload, *args, **kwargs)
@@ -592,8 +486,25 @@ def _wrap(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., A
     return _apply_ready_response
 
 
+def _saying_goodbye(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
+    """``MPClient.shutdown`` that says goodbye once vLLM's own shutdown is over (also when that raised).
+
+    Each API-server process of a vLLM server shuts its client down as it stops; vLLM's main process may kill
+    it right after (``--shutdown-timeout`` 0), before any exit handler runs.
+    """
+
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            forwarder.goodbye()
+
+    return shutdown
+
+
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: wrap the frontend's ready-response handler once.
+    """Entry point of ``vllm.general_plugins``: wrap the frontend's ready-response handler and shutdown once.
 
     Does nothing at all without ``CACHE_CONFIG_EXPORTER_URL``; a vLLM without
     the handler gets a warning and is left untouched.
@@ -601,6 +512,10 @@ def register() -> None:
     target = Target.from_environment()
     if target is None:
         return
+    # In the engine core: its KV-cache groups ride on its ready response (msgspec, vLLM's own, loads only here).
+    from exporter import vllm_engine_groups
+
+    vllm_engine_groups.install()
     try:
         core_client = importlib.import_module("vllm.v1.engine.core_client")
     except Exception as error:
@@ -615,7 +530,11 @@ def register() -> None:
         return
     if hasattr(original, FORWARDER_ATTRIBUTE):
         return
-    client_class._apply_ready_response = _wrap(original, Forwarder(target))
+    forwarder = Forwarder(target)
+    client_class._apply_ready_response = _forwarding(original, forwarder)
+    shutdown = getattr(client_class, "shutdown", None)
+    if callable(shutdown):
+        client_class.shutdown = _saying_goodbye(shutdown, forwarder)
     # In vLLM's API server this runs before vLLM sets up its log handler, so the line shows in the
     # engine core's and workers' log; the frontend logs the deployment's line with its first payload.
     logger.info("cache-config-exporter: forwarding ready responses to %s", ", ".join(target.urls))

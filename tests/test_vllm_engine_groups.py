@@ -225,7 +225,7 @@ def test_each_group_shows_and_the_mamba_group_gives_the_true_mamba_block_size(cl
     figures = client.get("/api/v1/deployments/qwen").json()["engines"][0]["figures"]
     assert figures["mamba_block_size_source"] == "kv_cache_groups"
     assert [group["block_size"] for group in figures["kv_cache_groups"]["groups"]] == [640, 640, 16]
-    assert "<td class=\"name\">mamba 640, full_attention 640, full_attention 16 (draft)</td>" in client.get("/").text
+    assert '<td class="name">mamba 640, full_attention 640, full_attention 16 (draft)</td>' in client.get("/").text
 
 
 def test_without_prefix_caching_the_mamba_group_is_the_smallest_and_still_true(client: TestClient) -> None:

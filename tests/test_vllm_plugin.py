@@ -6,9 +6,9 @@ With ``CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM=1`` they import the installed vLLM
 instead; ``tests/test_real_vllm.py`` runs them so with a real vLLM, so that every
 test here holds for the real package too.
 
-Each test gets a pristine ``MPClient._apply_ready_response``; the plugin's
-forwarder is flushed instead of sleeping, and closed at the end so no thread
-outlives its test. Backoff is shortened to milliseconds.
+Each test gets a pristine ``MPClient._apply_ready_response`` and ``MPClient.shutdown``;
+the plugin's forwarder is flushed instead of sleeping, and closed at the end so no
+thread outlives its test. Backoff is shortened to milliseconds.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import socket
 import statistics
@@ -26,6 +28,7 @@ import time
 import tracemalloc
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,6 +42,7 @@ from exporter import vllm_plugin
 from exporter.vllm_plugin import FORWARDER_ATTRIBUTE, Forwarder, Target, deployment_of, register, replica_of
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.figures import record
+from tests.helpers.http import request
 from tests.real_vllm.frontend import HYBRID_RESPONSE, frontend_client
 from tests.support import ExporterProcess, free_port, wait_until
 
@@ -91,13 +95,14 @@ def forwarder() -> Forwarder:
 
 @pytest.fixture(autouse=True)
 def pristine(monkeypatch: pytest.MonkeyPatch, vllm_package: ModuleType) -> Iterator[None]:
-    """No plugin variables set, backoff short enough for tests, and vLLM's own method back after the test."""
+    """No plugin variables set, backoff short enough for tests, and vLLM's own methods back after the test."""
     for variable in VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(vllm_plugin, "FIRST_RETRY_SECONDS", 0.01)
     monkeypatch.setattr(vllm_plugin, "MAX_RETRY_SECONDS", 0.05)
     client_class = vllm_package.MPClient
     monkeypatch.setattr(client_class, "_apply_ready_response", client_class._apply_ready_response)
+    monkeypatch.setattr(client_class, "shutdown", client_class.shutdown)
     yield
     method = getattr(getattr(sys.modules.get(CORE_CLIENT), "MPClient", None), "_apply_ready_response", None)
     if hasattr(method, FORWARDER_ATTRIBUTE):
@@ -120,6 +125,25 @@ def frontend(served_model_name: str | list[str] | None = "org/hybrid", **cache_c
     cache_config_class = importlib.import_module("vllm.config").CacheConfig
     client_class = importlib.import_module(CORE_CLIENT).MPClient
     return frontend_client(client_class, cache_config_class(**cache_config), served_model_name)
+
+
+class BackgroundResources:
+    """vLLM's ``BackgroundResources`` as ``MPClient.shutdown`` uses them: no engine manager; counts its clean-ups."""
+
+    engine_manager = None
+
+    def __init__(self) -> None:
+        self.cleanups = 0
+
+    def __call__(self) -> None:
+        self.cleanups += 1
+
+
+def running(client: Any) -> Any:
+    """``client`` with what ``MPClient.__init__`` sets up for its shutdown: resources, freed once by a finalizer."""
+    client.resources = BackgroundResources()
+    client._finalizer = weakref.finalize(client, client.resources)
+    return client
 
 
 def plugin_on(monkeypatch: pytest.MonkeyPatch, url: str, **variables: str) -> None:
@@ -542,6 +566,145 @@ def test_goodbye_removes_the_replica_and_an_exporter_that_hangs_neither_delays_n
         assert time.monotonic() - started < TIMEOUT + 0.2
     assert server.routes("DELETE") == [("DELETE", "/api/v1/deployments/org/hybrid")]
     assert server.requests[-1].query == {"replica": "r1"}
+
+
+def held_replicas(exporter: ExporterProcess) -> list[str]:
+    """The replicas of ``org/hybrid`` the exporter holds."""
+    reply = request(exporter.url, "GET", "/api/v1/deployments?deployment=org/hybrid")
+    assert reply.status == 200, reply.body[:300]
+    return [replica["replica"] for replica in reply.json()]
+
+
+def test_vllm_shutting_its_client_down_says_goodbye_at_once(
+    monkeypatch: pytest.MonkeyPatch, start_exporter: Callable[..., ExporterProcess]
+) -> None:
+    """What each API-server process of a vLLM server does as it stops, whether or not an exit handler runs after."""
+    exporter = start_exporter()
+    plugin_on(monkeypatch, exporter.url, replica="r1")
+    client = running(frontend())
+    for payload in two_engines():
+        client._apply_ready_response(payload)
+    assert forwarder().flush(10)
+    assert held_replicas(exporter) == ["r1"]
+
+    assert client.shutdown(timeout=5.0) is None
+    # vLLM's own shutdown ran, then the goodbye: the replica is gone before ``shutdown`` returns.
+    assert client.resources.cleanups == 1
+    assert held_replicas(exporter) == []
+    # vLLM may shut down twice (its engine monitor, then its API server): nothing more, nothing raised.
+    client.shutdown()
+    assert client.resources.cleanups == 1
+
+
+def test_the_goodbye_is_said_once_so_that_being_asked_again_at_exit_waits_no_more(
+    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
+) -> None:
+    server = stub()
+    plugin_on(monkeypatch, server.url, replica="r1")
+    client = running(frontend())
+    client._apply_ready_response(ready_response())
+    assert forwarder().flush(10)
+    # The exporter stops answering: the labels in flight, then the goodbye, each wait out the timeout.
+    server.slow = True
+    client._apply_ready_response(ready_response())
+    wait_until(lambda: len(server.requests) == 3)
+    started = time.monotonic()
+    client.shutdown()
+    shutdown_seconds = time.monotonic() - started
+    # What the exit of the process does next.
+    started = time.monotonic()
+    forwarder().goodbye()
+    exit_seconds = time.monotonic() - started
+    assert shutdown_seconds < TIMEOUT + 0.2
+    assert exit_seconds < TIMEOUT / 2
+    forwarder().close()
+    assert server.routes("DELETE") == [("DELETE", "/api/v1/deployments/org/hybrid")]
+
+
+class FailingEngineManager:
+    """An engine manager whose shutdown runs out of time."""
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        raise TimeoutError(f"engine cores still running after {timeout} s")
+
+
+def test_vllm_own_shutdown_failing_still_ends_in_the_goodbye_and_its_error_stays_vllm_own(
+    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
+) -> None:
+    server = stub()
+    plugin_on(monkeypatch, server.url, replica="r1")
+    client = running(frontend())
+    client._apply_ready_response(ready_response())
+    assert forwarder().flush(10)
+    client.resources.engine_manager = FailingEngineManager()
+    with pytest.raises(TimeoutError, match=r"after 1\.0 s"):
+        client.shutdown(timeout=1.0)
+    assert server.routes("DELETE") == [("DELETE", "/api/v1/deployments/org/hybrid")]
+
+
+def api_server(held: multiprocessing.synchronize.Event, leave: multiprocessing.synchronize.Event) -> None:
+    """An API-server process: forwards its engines' ready responses, serves until told to leave, and returns
+    without shutting its client down."""
+    client = frontend()
+    for payload in two_engines():
+        client._apply_ready_response(payload)
+    if forwarder().flush(10):
+        held.set()
+    leave.wait(30)
+
+
+def test_an_api_server_process_says_goodbye_as_it_leaves_although_exit_handlers_never_run_there(
+    monkeypatch: pytest.MonkeyPatch, start_exporter: Callable[..., ExporterProcess]
+) -> None:
+    """vLLM's API-server processes (``--api-server-count``, by default the data-parallel size) are multiprocessing
+    children. A forked one leaves through ``os._exit`` after multiprocessing's exit function: no ``atexit`` there."""
+    exporter = start_exporter()
+    plugin_on(monkeypatch, exporter.url, replica="r1")
+    context = multiprocessing.get_context("fork")
+    held, leave = context.Event(), context.Event()
+    process = context.Process(target=api_server, args=(held, leave), name="ApiServer_0")
+    process.start()
+    try:
+        assert held.wait(30)
+        assert held_replicas(exporter) == ["r1"]
+        leave.set()
+        process.join(30)
+    finally:
+        process.kill()
+    assert process.exitcode == 0
+    assert held_replicas(exporter) == []
+
+
+def test_a_forked_child_never_says_goodbye_for_its_parent(
+    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
+) -> None:
+    server = stub()
+    plugin_on(monkeypatch, server.url, replica="r1")
+    client = running(frontend())
+    client._apply_ready_response(ready_response())
+    assert forwarder().flush(10)
+    (delivery,) = forwarder().deliveries
+    # Forked while no delivery thread holds the lock that the child takes.
+    with delivery._condition:
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            # The child forwards too (an engine answering again), then shuts its copy of the client down.
+            client._apply_ready_response(ready_response())
+            if forwarder().flush(10):
+                client.shutdown()
+                code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    # The child's own labels (vLLM summed the blocks once more) and ready response.
+    assert [method for method, _ in server.routes()] == ["PUT", "POST", "PUT", "POST"]
+
+    # The parent's own goodbye, once however often it is asked for.
+    client.shutdown()
+    forwarder().goodbye()
+    assert server.routes("DELETE") == [("DELETE", "/api/v1/deployments/org/hybrid")]
 
 
 def test_token_is_sent_as_bearer_and_never_logged(

@@ -4,7 +4,8 @@ Run with the Python of the vLLM venv, from the repository: ``python -m tests.rea
 Prints a JSON list of differences (empty when the stand-in matches): module paths,
 ``CacheConfig.metrics_info()`` (labels, order and values, for vLLM's defaults and
 for a hybrid model's settings), ``EngineCoreReadyResponse``'s fields with their
-defaults, and ``MPClient._apply_ready_response``'s signature and effect.
+defaults, and the signatures of the methods the plugin wraps (``MPClient._apply_ready_response``, whose effect
+is compared too, ``MPClient.shutdown`` and ``EngineCoreProc._make_ready_response``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import msgspec
 from tests.real_vllm.frontend import HYBRID_RESPONSE, frontend_client
 
 STANDIN = Path(__file__).resolve().parent.parent / "vllm_standin"
-MODULES = ("vllm.config", "vllm.config.cache", "vllm.v1.engine", "vllm.v1.engine.core_client")
+MODULES = ("vllm.config", "vllm.config.cache", "vllm.v1.engine", "vllm.v1.engine.core", "vllm.v1.engine.core_client")
+# The methods the plugin wraps, by module and class.
+WRAPPED = (
+    ("vllm.v1.engine.core_client", "MPClient", "_apply_ready_response"),
+    ("vllm.v1.engine.core_client", "MPClient", "shutdown"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_make_ready_response"),
+)
 CACHE_CONFIGS: list[dict[str, Any]] = [
     {},
     {"block_size": 32, "mamba_cache_mode": "align", "enable_prefix_caching": True},
@@ -94,12 +101,13 @@ def differences() -> list[str]:
     if real_fields != standin_fields:
         found.append(f"EngineCoreReadyResponse fields: real {real_fields}, stand-in {standin_fields}")
 
-    real_method = importlib.import_module("vllm.v1.engine.core_client").MPClient._apply_ready_response
-    standin_method = standin_module("vllm.v1.engine.core_client").MPClient._apply_ready_response
-    real_signature = inspect.signature(real_method, eval_str=True)
-    standin_signature = inspect.signature(standin_method, eval_str=True)
-    if real_signature != standin_signature:
-        found.append(f"_apply_ready_response{real_signature} vs stand-in{standin_signature}")
+    for module, class_name, method in WRAPPED:
+        real = getattr(getattr(importlib.import_module(module), class_name), method)
+        standin = getattr(getattr(standin_module(module), class_name), method)
+        real_signature = inspect.signature(real, eval_str=True)
+        standin_signature = inspect.signature(standin, eval_str=True)
+        if real_signature != standin_signature:
+            found.append(f"{class_name}.{method}{real_signature} vs stand-in{standin_signature}")
     return found
 
 

@@ -1,13 +1,15 @@
-"""``vllm.v1.engine.core_client.MPClient`` of vLLM 0.32.0: the method the plugin wraps, with vLLM's body.
+"""``vllm.v1.engine.core_client.MPClient`` of vLLM 0.32.0: the methods the plugin wraps, with vLLM's bodies.
 
 vLLM's ``MPClient.__init__(self, asyncio_mode, vllm_config, executor_class, log_stats,
 client_addresses=None, renderer=None)`` starts engine processes, so neither this
 stand-in nor the tests call it: they set up the attributes it sets before it
-applies the engines' ready responses.
+applies the engines' ready responses, and before ``shutdown`` (its background
+resources and the ``weakref.finalize`` that frees them once).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import msgspec
@@ -22,6 +24,15 @@ class MPClient:
     stats_update_address: str | None
     _effective_attention_block_sizes: set[int | None]
     _kv_event_sources: dict[int, Any]
+    resources: Any
+    _finalizer: weakref.finalize
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Shutdown engine manager under timeout and clean up resources."""
+        if self._finalizer.detach() is not None:
+            if self.resources.engine_manager is not None:
+                self.resources.engine_manager.shutdown(timeout=timeout)
+            self.resources()
 
     def _apply_ready_response(self, payload: bytes) -> None:
         """Decode an EngineCoreReadyResponse and sync any post-initialization
