@@ -81,6 +81,7 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from exporter.probe_http import MetricsClient
     from exporter.request_guard import GuardedHttpToolsProtocol
     from exporter.security import Credentials, ReloadingTls, watched_tls
     from exporter.service import create_app
@@ -96,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             # Each worker builds its own app; check here what would stop them all.
             Credentials.from_settings(settings)
+            MetricsClient.from_settings(settings)
             settings.base_labels()
             SqliteStore(settings.storage_path).close()
             os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()

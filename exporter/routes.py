@@ -27,6 +27,9 @@ from starlette.types import Receive, Scope, Send
 from exporter.errors import InvalidRequest, NotFound, StorageUnavailable, UnsupportedMediaType
 from exporter.exposition import Exposition, accepts_gzip
 from exporter.listing import DeploymentListing
+from exporter.probe import Prober
+from exporter.probe_targets import MAX_TARGET, Target, TargetForbidden
+from exporter.problems import Problem
 from exporter.replicas import DEFAULT_REPLICA, Replica, ReplicaKey
 from exporter.security import Credentials
 from exporter.state import ExporterState
@@ -111,6 +114,28 @@ class EnginePath(msgspec.Struct, frozen=True):
     engine: int
 
 
+class ProbeQuery(msgspec.Struct, frozen=True):
+    target: Annotated[
+        str,
+        msgspec.Meta(
+            max_length=MAX_TARGET,
+            description="The vLLM server to probe, HOST:PORT; --probe.allowed-targets must permit it.",
+        ),
+    ]
+    deployment: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                pattern=rf"^{_DEPLOYMENT.pattern}\Z",
+                max_length=MAX_DEPLOYMENT_NAME,
+                description="The deployment label; default: the model_name vLLM shows.",
+            ),
+        ]
+        | None
+    ) = None
+    debug: Annotated[bool, msgspec.Meta(description="Answer the probe's log and its metrics as plain text.")] = False
+
+
 @dataclass(frozen=True)
 class Exporter:
     """What the handlers of one app work with (``app.state.exporter``)."""
@@ -124,6 +149,7 @@ class Exporter:
     clock: Callable[[], float]
     # Several worker processes share the store: a read first loads what the others committed.
     shared_store: bool
+    prober: Prober
 
 
 Q = TypeVar("Q", bound=msgspec.Struct)
@@ -322,6 +348,43 @@ async def get_metrics(request: Request) -> Response:
     return ChunkedBody(chunks, content_type, headers)
 
 
+SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+
+
+def _scrape_timeout(request: Request) -> float | None:
+    """Prometheus' scrape timeout, sent with every scrape; a value that is no positive number is a 422."""
+    text = request.headers.get(SCRAPE_TIMEOUT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise InvalidRequest(SCRAPE_TIMEOUT_HEADER, f"{text[:40]!r} is not a positive number of seconds")
+    return seconds
+
+
+async def get_probe(request: Request) -> Response:
+    """Probe a stock vLLM server's /metrics and answer its true cache config (Prometheus' multi-target pattern)."""
+    exporter = _exporter(request)
+    await exporter.credentials.require_reader(request)
+    query = _query(request, ProbeQuery)
+    try:
+        target = Target.parse(query.target)
+    except ValueError as error:
+        raise InvalidRequest("query.target", str(error)) from None
+    prober = exporter.prober
+    try:
+        outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)))
+    except TargetForbidden as error:
+        raise Problem(403, "Forbidden", str(error), "query.target", "forbidden") from None
+    if query.debug:
+        return PlainTextResponse(outcome.debug_text())
+    body, content_type = outcome.exposition(request.headers.get("accept", ""))
+    return Response(body, media_type=content_type, headers={"Vary": "Accept"})
+
+
 async def healthy(request: Request) -> Response:
     return PlainTextResponse("Healthy.\n")
 
@@ -368,6 +431,7 @@ ENDPOINTS = (
     Endpoint("/api/v1/deployments", ("GET",), list_deployments, ListQuery),
     Endpoint(DEPLOYMENT, ("GET",), get_deployment, ReplicaQuery),
     Endpoint(DEPLOYMENT, ("DELETE",), delete_deployment, GoodbyeQuery, status=204),
+    Endpoint("/probe", ("GET",), get_probe, ProbeQuery),
     Endpoint("/-/healthy", ("GET",), healthy, documented=False),
     Endpoint("/-/ready", ("GET",), ready, documented=False),
     Endpoint("/", ("GET",), landing, documented=False),

@@ -26,6 +26,7 @@ from exporter.errors import Refused, StorageUnavailable
 from exporter.exposition import Exposition, ReplicaLines
 from exporter.listing import DeploymentListing
 from exporter.openapi import openapi_document
+from exporter.probe import Prober
 from exporter.problems import Problem, problem_for, problem_response
 from exporter.replicas import Replica
 from exporter.request_guard import RequestGuard
@@ -75,6 +76,7 @@ def create_app(
     registry.register(credentials)  # the reload state of the access files
     exposition = Exposition(state, lines, registry, telemetry)
     listing = DeploymentListing(state, encode_view)
+    prober = Prober(settings, base_labels, registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,7 +89,7 @@ def create_app(
     document = openapi_document(app.title, app.version, ENDPOINTS)
     app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     app.state.exporter = Exporter(
-        state, credentials, telemetry, exposition, listing, settings.telemetry_path, clock, settings.workers > 1
+        state, credentials, telemetry, exposition, listing, settings.telemetry_path, clock, settings.workers > 1, prober
     )
     for endpoint in ENDPOINTS:
         app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from exporter.limits import Limits
+from exporter.probe_targets import AllowList
 from protocol import InvalidPayload, decode_static_labels
 
 # 9100-9999, Prometheus' exporter range, is fully allocated; see README "Default port".
@@ -132,6 +133,11 @@ def _setting(default: object, flag: str, help_text: str, **declared: Any) -> Any
 
 def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None
+
+
+def _entries(text: str) -> tuple[str, ...]:
+    """A comma-separated list, blank entries dropped."""
+    return tuple(entry.strip() for entry in text.split(",") if entry.strip())
 
 
 def allowed_hosts(names: str, listen_address: str) -> tuple[str, ...] | None:
@@ -246,13 +252,56 @@ class Settings:
         "", "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)"
     )
     log_level: str = _setting("info", "--log.level", "log level", choices=LOG_LEVELS)
+    # /probe (exporter/probe.py): off until targets are allowed, so that the exporter is nobody's proxy.
+    probe_allowed_targets: tuple[str, ...] = _setting(
+        (),
+        "--probe.allowed-targets",
+        "comma-separated targets /probe may fetch: CIDRs (10.0.0.0/8) and HOST:PORT patterns with * and ? "
+        "(vllm-*.example:8000, gpu-?:*); empty: /probe answers 403",
+        flag_default="",
+        parse=_entries,
+    )
+    probe_timeout_seconds: float = _setting(
+        10.0,
+        "--probe.timeout",
+        "most seconds a probe takes; Prometheus' X-Prometheus-Scrape-Timeout-Seconds less 0.5 s shortens it",
+    )
+    probe_max_body_bytes: int = _setting(
+        8 << 20, "--probe.max-body-bytes", "largest /metrics body a probe reads; past it the probe fails"
+    )
+    probe_scheme: str = _setting("http", "--probe.scheme", "how /probe reaches targets", choices=("http", "https"))
+    probe_tls_ca_file: Path | None = _setting(
+        None, "--probe.tls-ca-file", "CA certificates (PEM) that sign the targets' certificates; default: the system's"
+    )
+    probe_tls_server_name: str = _setting(
+        "", "--probe.tls-server-name", "name the targets' certificates must hold; empty: the target's host"
+    )
+    probe_tls_insecure_skip_verify: bool = _setting(
+        False, "--probe.tls-insecure-skip-verify", "accept any certificate from targets (not for production)"
+    )
+    probe_bearer_token_file: Path | None = _setting(
+        None, "--probe.bearer-token-file", "file with the bearer token targets' /metrics require, re-read on change"
+    )
+    probe_basic_auth_username: str = _setting(
+        "", "--probe.basic-auth-username", "user for targets' /metrics behind basic auth"
+    )
+    probe_basic_auth_password_file: Path | None = _setting(
+        None,
+        "--probe.basic-auth-password-file",
+        "file with that user's password, re-read on change",
+    )
 
     def __post_init__(self) -> None:
         if self.metric_prefix and not _METRIC_PREFIX.fullmatch(self.metric_prefix):
             raise SettingsError(f"{flag_of('metric_prefix')} {self.metric_prefix!r} is not a valid metric name prefix")
-        if not self.telemetry_path.startswith("/") or self.telemetry_path.startswith(("/api/", "/-/")):
+        if (
+            not self.telemetry_path.startswith("/")
+            or self.telemetry_path.startswith(("/api/", "/-/"))
+            or self.telemetry_path == "/probe"
+        ):
             raise SettingsError(
-                f"{flag_of('telemetry_path')} {self.telemetry_path!r} must start with / (not /api/ or /-/)"
+                f"{flag_of('telemetry_path')} {self.telemetry_path!r} must start with / (not /api/ or /-/) "
+                "and cannot be /probe"
             )
         for name in _numbers():
             value = getattr(self, name)
@@ -278,6 +327,29 @@ class Settings:
                 f"{flag_of('listen_address')} {self.listen_address} is reachable from other hosts, so ingest needs "
                 f"{flag_of('ingest_token_file')} (or {flag_of('allow_unauthenticated_ingest')} to accept anyone's "
                 "ready responses)"
+            )
+        self._check_probe()
+
+    def _check_probe(self) -> None:
+        """The /probe settings that cannot work together, or entries of the allowlist that mean nothing."""
+        try:
+            AllowList.parse(self.probe_allowed_targets)
+        except ValueError as error:
+            raise SettingsError(f"{flag_of('probe_allowed_targets')} {error}") from None
+        tls_names = ("probe_tls_ca_file", "probe_tls_server_name", "probe_tls_insecure_skip_verify")
+        tls = [name for name in tls_names if getattr(self, name)]
+        if tls and self.probe_scheme != "https":
+            raise SettingsError(f"{flag_of(tls[0])} needs {flag_of('probe_scheme')} https")
+        if bool(self.probe_basic_auth_username) != (self.probe_basic_auth_password_file is not None):
+            raise SettingsError(
+                f"{flag_of('probe_basic_auth_username')} and {flag_of('probe_basic_auth_password_file')} go together"
+            )
+        if ":" in self.probe_basic_auth_username:
+            raise SettingsError(f"{flag_of('probe_basic_auth_username')} cannot hold a colon (RFC 7617)")
+        if self.probe_bearer_token_file is not None and self.probe_basic_auth_password_file is not None:
+            raise SettingsError(
+                f"{flag_of('probe_bearer_token_file')} and {flag_of('probe_basic_auth_password_file')} "
+                "exclude each other"
             )
 
     def limits(self) -> Limits:

@@ -217,6 +217,14 @@ def deployment_of(client: object, configured: str | None) -> str:
         name = name[0] if name else None
     if not isinstance(name, str) or not name:
         return DEFAULT_DEPLOYMENT
+    return deployment_of_model(name)
+
+
+def deployment_of_model(name: str) -> str:
+    """A served model name as a deployment: a path by its last component, fit for the exporter.
+
+    Shared with the probe, which reads the name from vLLM's ``model_name`` label, so both modes name a server alike.
+    """
     if name.startswith(_PATH_PREFIXES):
         name = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(name))))
     return fit_deployment_name(name)

@@ -6,7 +6,8 @@ import re
 
 import msgspec
 
-_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
+# Messages that name the field in the reason, not in the path: the path is then the object holding it.
+_NAMED_FIELD = re.compile(r"Object (?:contains unknown|missing required) field `(.*)`")
 
 
 class InvalidPayload(ValueError):
@@ -28,9 +29,9 @@ class InvalidPayload(ValueError):
         # A map key that fails: msgspec says "at `key` in `$.path`".
         path = path.rpartition("key` in `")[2]
         reason = reason if marker else str(error)
-        unknown = _UNKNOWN_FIELD.fullmatch(reason)
-        if unknown:
-            path = f"{path}.{unknown.group(1)}"
+        named = _NAMED_FIELD.fullmatch(reason)
+        if named:
+            path = f"{path}.{named.group(1)}"
         kind = cls if isinstance(error, msgspec.ValidationError) else MalformedPayload
         return kind(path, reason)
 

@@ -145,6 +145,8 @@ def test_push_refuses_a_file_it_cannot_read_or_that_is_empty(tmp_path: Path) -> 
         (("--web.listen-address", "nowhere"), {}, "--web.listen-address 'nowhere': expected HOST:PORT"),
         (("--cache-config.file", "/nonexistent/cache.toml"), {}, "--cache-config.file /nonexistent/cache.toml: "),
         (("--web.ingest-token-file", "/nonexistent/token"), {}, "--web.ingest-token-file /nonexistent/token: "),
+        # Each worker would build its prober: checked once before they start.
+        (("--web.workers", "2", "--probe.bearer-token-file", "/missing"), {}, "--probe.bearer-token-file /missing: "),
     ],
 )
 def test_serve_exits_2_naming_the_flag_of_a_bad_setting(

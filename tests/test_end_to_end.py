@@ -67,11 +67,11 @@ def test_settings_come_from_environment_variables(start_exporter: Callable[..., 
         "PATH": "/usr/bin:/bin",
         "CACHE_CONFIG_EXPORTER_METRIC_PREFIX": "vllm:",
         "CACHE_CONFIG_EXPORTER_CACHE_CONFIG_FILE": str(config),
-        "CACHE_CONFIG_EXPORTER_WEB_TELEMETRY_PATH": "/probe",
+        "CACHE_CONFIG_EXPORTER_WEB_TELEMETRY_PATH": "/scrape",
     }
     exporter = start_exporter(env=env)
     request(exporter.url, "POST", "/api/v1/ready", fixture_bytes("hybrid-tp1-post50809"), MSGPACK)
-    probe = request(exporter.url, "GET", "/probe")
+    probe = request(exporter.url, "GET", "/scrape")
     assert probe.status == 200
     labels = info_labels(probe.text, "default", "vllm:cache_config_info")["0"]
     assert (labels["mamba_cache_mode"], labels["block_size"]) == ("align", "1056")

@@ -25,7 +25,7 @@ def test_every_route_is_documented_with_its_parameters(client: TestClient) -> No
     heartbeat = _parameters(document, "/api/v1/deployments/{deployment}/heartbeat", "post")
     assert heartbeat["interval"]["required"] and not heartbeat["replica"]["required"]
     operations = [operation for methods in document["paths"].values() for operation in methods.values()]
-    assert len(operations) == 8
+    assert len(operations) == 9
     assert all(operation["summary"] and "application/problem+json" in operation["responses"]["4XX"]["content"]
                for operation in operations)  # fmt: skip
 
