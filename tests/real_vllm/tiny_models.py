@@ -1,4 +1,4 @@
-"""Generate tiny models with random weights, offline, for ``vllm serve`` on a CPU: a dense and two hybrid models.
+"""Generate tiny models with random weights, offline, for ``vllm serve`` on a CPU: dense, hybrid and draft models.
 
 Run with the Python of the vLLM venv (it needs transformers, tokenizers and torch):
 ``python -m tests.real_vllm.tiny_models OUT_DIR`` (from the repository) writes one folder per model and prints
@@ -26,6 +26,7 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen3Config,
     Qwen3NextConfig,
 )
 
@@ -51,10 +52,13 @@ def llama() -> PretrainedConfig:
 
 
 def qwen3_next() -> PretrainedConfig:
-    """Gated DeltaNet (linear attention, a Mamba-like state) beside full attention, with MoE layers."""
+    """Gated DeltaNet (linear attention, a Mamba-like state) beside full attention, with MoE layers.
+
+    Two linear-attention key and value heads, so that each of two tensor-parallel workers has one.
+    """
     return Qwen3NextConfig(
         hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
         linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"], **COMMON,
@@ -73,10 +77,22 @@ def granite_moe_hybrid() -> PretrainedConfig:
     )  # fmt: skip
 
 
+def qwen3_draft() -> PretrainedConfig:
+    """A one-layer dense Qwen3 with Qwen3-Next's vocabulary and attention shape: a draft model for speculative decoding.
+
+    Its attention layer has the target's page size, so vLLM puts it in the target's full-attention KV-cache group.
+    """
+    return Qwen3Config(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, **COMMON,
+    )  # fmt: skip
+
+
 MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": llama,
     "qwen3-next": qwen3_next,
     "granite-moe-hybrid": granite_moe_hybrid,
+    "qwen3-draft": qwen3_draft,
 }
 
 
