@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.vllm_plugin import deployment_of_model
 from tests import test_real_vllm
 from tests.helpers.exposition import info_labels, samples, single_value
 from tests.helpers.figures import record
@@ -58,10 +59,13 @@ def test_a_stock_vllm_probed_through_the_exporter_shows_the_engine_mamba_block_s
     assert single_value(exposition, "cache_config_probe_success") == 1.0, request(
         exporter.url, "GET", path + "&debug=true"
     ).text
-    (shown,) = info_labels(exposition, model_name).values()
+    # Served by path: named after the model's folder, as the plugin names it.
+    deployment = deployment_of_model(model_name)
+    assert deployment == model.name
+    (shown,) = info_labels(exposition, deployment).values()
     assert shown == {
         **vllm_labels,
-        "deployment": model_name,
+        "deployment": deployment,
         "replica": target,
         "mamba_block_size": true_mamba_block_size,
     }
