@@ -75,14 +75,15 @@ def spread(population: Sequence[Engine], count: int) -> list[Engine]:
 
 
 @functools.cache
-def _fixture() -> dict[str, Any]:
+def fixture_response() -> dict[str, Any]:
+    """The fixture's ready response as a dict: every engine of the work is a copy with a few fields changed."""
     return msgspec.msgpack.decode(FIXTURE.read_bytes())
 
 
 def ready_request(engine: Engine, num_gpu_blocks: int, block_size: int | None = None) -> Request:
     """The fixture's ready response as sent by ``engine``, with the given block counts."""
     response = {
-        **_fixture(),
+        **fixture_response(),
         "data_parallel_size": engine.size,
         "data_parallel_rank": engine.rank,
         "num_gpu_blocks": num_gpu_blocks,
@@ -95,6 +96,29 @@ def ready_request(engine: Engine, num_gpu_blocks: int, block_size: int | None = 
 def ingest_requests(targets: Sequence[Engine], value: int) -> list[Request]:
     """Two rounds over ``targets`` with ``value`` and ``value + 1`` blocks: cycled, every request changes state."""
     return [ready_request(engine, value + round_) for round_ in (0, 1) for engine in targets]
+
+
+def ingest_arrays(population: Sequence[Engine], value: int, count: int = 8) -> list[Request]:
+    """Two rounds over ``count`` full DP=8 deployments of ``population``, each request all eight engines' ready
+    responses of one deployment in one msgpack array (as the plugin sends a server's start)."""
+    ranks: dict[str, list[Engine]] = {}
+    for engine in population:
+        ranks.setdefault(engine.deployment, []).append(engine)
+    full = [members for members in ranks.values() if len(members) == DATA_PARALLEL]
+    chosen = [full[i * len(full) // min(count, len(full))] for i in range(min(count, len(full)))]
+    return [
+        Request("POST", members[0].ingest_path, MSGPACK,
+                msgspec.msgpack.encode([msgspec.Raw(ready_request(e, value + round_).body) for e in members]))
+        for round_ in (0, 1)
+        for members in chosen
+    ]  # fmt: skip
+
+
+def heartbeat_requests(targets: Sequence[Engine]) -> list[Request]:
+    """A heartbeat of each target's replica: it changes only when the replica was last seen. Its interval is a day,
+    so that no replica of the run expires once the heartbeats stop."""
+    path = "/api/v1/deployments/{}/heartbeat?interval=86400"
+    return [Request("POST", path.format(engine.deployment), {}) for engine in targets]
 
 
 def info_series(exposition: bytes) -> dict[tuple[str, int], bytes]:

@@ -23,15 +23,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def peak_rss_mb(pid: int) -> float | None:
-    """The process' peak resident set size (``VmHWM``) in MiB, or ``None`` if it cannot be read."""
+def _status_mb(pid: int, field: str) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """The process' peak resident set size (``VmHWM``) in MiB, or ``None`` if it cannot be read."""
+    return _status_mb(pid, "VmHWM:")
+
+
+def rss_mb(pid: int) -> float | None:
+    """The process' resident set size now (``VmRSS``) in MiB, or ``None`` if it cannot be read."""
+    return _status_mb(pid, "VmRSS:")
 
 
 def _clock_ticks(values: list[str]) -> float:

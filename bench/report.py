@@ -46,11 +46,11 @@ def _get(results: dict[str, Any], n: int, *path: str) -> Any:
     return node
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def quotient(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
+def text_of(value: float | None, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, int):
@@ -65,9 +65,9 @@ def _compare(
 ) -> Target:
     """A target on the ratio of two figures, each given as (N, *path)."""
     first, second = _get(results, *a), _get(results, *b)
-    detail = f"{_fmt(first)} / {_fmt(second)}" if first is not None and second is not None else "not measured"
+    detail = f"{text_of(first)} / {text_of(second)}" if first is not None and second is not None else "not measured"
     disturbed = any(_disturbance(_get(results, *path[:-1]) or {}) > DISTURBED for path in (a, b))
-    return Target(name, _ratio(first, second), limit, at_most, detail, disturbed)
+    return Target(name, quotient(first, second), limit, at_most, detail, disturbed)
 
 
 def _disturbance(run: dict[str, Any]) -> float:
@@ -105,11 +105,23 @@ def targets(results: dict[str, Any]) -> list[Target]:
                 _compare(results, f"ingest 8 conns at {n} >= 2 x 1 conn", 2, False,
                          (int(n), "ingest", "exporter_8", "rate"), (int(n), *ingest_1))
             )  # fmt: skip
-    found.append(
-        _compare(results, "ingest 1 conn at 10000 >= 0.8 x at 100", 0.8, False, (10000, *ingest_1), (100, *ingest_1))
-    )
+    found += [
+        _compare(results, "ingest 1 conn at 10000 >= 0.8 x at 100", 0.8, False, (10000, *ingest_1), (100, *ingest_1)),
+        _compare(results, "ingest 1 conn at 80000 >= 0.9 x at 100", 0.9, False, (80000, *ingest_1), (100, *ingest_1)),
+    ]  # fmt: skip
+    for n in (1000, 10000, 80000):
+        engines = _engines_per_second(results, n, "exporter_dp8_1")
+        floor = _get(results, n, "ingest", "floor_1", "rate")
+        if engines is not None:
+            found.append(Target(f"DP=8 arrays: engines/s at {n} >= 0.25 x floor POST rate", quotient(engines, floor),
+                                0.25, False, f"{text_of(engines)} / {text_of(floor)}"))  # fmt: skip
     rss = _get(results, 10000, "peak_rss_mb", "exporter")
-    found.append(Target("peak RSS at 10000 < 150 MB", rss, 150, True, f"{_fmt(rss)} MB" if rss else "not measured"))
+    found.append(Target("peak RSS at 10000 < 150 MB", rss, 150, True, f"{text_of(rss)} MB" if rss else "not measured"))
+    for n in (10000, 80000):
+        per_engine = _rss_per_engine_kib(results, n)
+        if per_engine is not None:
+            found.append(Target(f"peak RSS above the empty process at {n} < 5 KiB an engine", per_engine, 5, True,
+                                f"{text_of(per_engine)} KiB"))  # fmt: skip
     missed = sum(
         (_get(results, int(n), "visible", "violations") or 0) + (_get(results, int(n), "visible", "never_visible") or 0)
         for n in results["engines"]
@@ -125,7 +137,25 @@ def targets(results: dict[str, Any]) -> list[Target]:
     return found
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def _engines_per_second(results: dict[str, Any], n: int, run: str) -> float | None:
+    """Ready responses a second of a run of DP=8 arrays (eight in each request)."""
+    rate = _get(results, n, "ingest", run, "rate")
+    return None if rate is None else 8 * rate
+
+
+def _cpu_ms_per_request(results: dict[str, Any], n: int, run: str) -> float | None:
+    """The exporter's CPU milliseconds per request of a wrk run (that run alone against it)."""
+    cpu, requests = _get(results, n, "ingest", run, "exporter_cpu_seconds"), _get(results, n, "ingest", run, "requests")
+    return None if cpu is None or not requests else 1e3 * cpu / requests
+
+
+def _rss_per_engine_kib(results: dict[str, Any], n: int) -> float | None:
+    """The exporter's peak RSS after ``n`` engines above its RSS before it held any, per engine."""
+    peak, empty = _get(results, n, "peak_rss_mb", "exporter"), results.get("empty_rss_mb", {}).get("exporter")
+    return None if peak is None or empty is None else (peak - empty) * 1024 / n
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -139,29 +169,31 @@ def _rows(results: dict[str, Any], columns: list[Callable[[int], str]], need: st
 
 def _scrape_tables(results: dict[str, Any]) -> list[str]:
     def figure(run: str, key: str) -> Callable[[int], str]:
-        return lambda n: _fmt(_get(results, n, "scrape", run, key))
+        return lambda n: text_of(_get(results, n, "scrape", run, key))
 
     def ratio(run_a: str, run_b: str, key: str) -> Callable[[int], str]:
-        return lambda n: _fmt(_ratio(_get(results, n, "scrape", run_a, key), _get(results, n, "scrape", run_b, key)), 3)
+        return lambda n: text_of(
+            quotient(_get(results, n, "scrape", run_a, key), _get(results, n, "scrape", run_b, key)), 3
+        )
 
-    raw = _table(
+    raw = markdown_table(
         ["engines", "body KB", "text p50 ms", "text p99 ms", "text req/s", "OpenMetrics p50 ms", "gzip p50 ms",
          "Pushgateway p50 ms", "Pushgateway req/s", "floor p50 ms", "floor req/s", "prometheus_client render ms"],
         _rows(results, [
-            lambda n: _fmt(_get(results, n, "scrape_body_bytes") / 1e3, 1),
+            lambda n: text_of(_get(results, n, "scrape_body_bytes") / 1e3, 1),
             figure("exporter_text", "p50_ms"), figure("exporter_text", "p99_ms"), figure("exporter_text", "rate"),
             figure("exporter_openmetrics", "p50_ms"), figure("exporter_gzip", "p50_ms"),
             figure("pushgateway_text", "p50_ms"), figure("pushgateway_text", "rate"),
             figure("floor_text", "p50_ms"), figure("floor_text", "rate"),
-            lambda n: _fmt(_get(results, n, "prometheus_client_render", "p50_ms")),
+            lambda n: text_of(_get(results, n, "prometheus_client_render", "p50_ms")),
         ]),
     )  # fmt: skip
-    ratios = _table(
+    ratios = markdown_table(
         ["engines", "text p50 / Pushgateway", "text req/s / floor", "text p50 / prometheus_client render",
          "OpenMetrics / text p50", "gzip / text p50"],
         _rows(results, [
             ratio("exporter_text", "pushgateway_text", "p50_ms"), ratio("exporter_text", "floor_text", "rate"),
-            lambda n: _fmt(_ratio(_get(results, n, "scrape", "exporter_text", "p50_ms"),
+            lambda n: text_of(quotient(_get(results, n, "scrape", "exporter_text", "p50_ms"),
                                   _get(results, n, "prometheus_client_render", "p50_ms")), 3),
             ratio("exporter_openmetrics", "exporter_text", "p50_ms"), ratio("exporter_gzip", "exporter_text", "p50_ms"),
         ]),
@@ -171,31 +203,37 @@ def _scrape_tables(results: dict[str, Any]) -> list[str]:
 
 def _ingest_tables(results: dict[str, Any]) -> list[str]:
     def rate(run: str, key: str = "rate") -> Callable[[int], str]:
-        return lambda n: _fmt(_get(results, n, "ingest", run, key))
+        return lambda n: text_of(_get(results, n, "ingest", run, key))
 
     def ratio(run_a: str, run_b: str) -> Callable[[int], str]:
-        return lambda n: _fmt(
-            _ratio(_get(results, n, "ingest", run_a, "rate"), _get(results, n, "ingest", run_b, "rate"))
+        return lambda n: text_of(
+            quotient(_get(results, n, "ingest", run_a, "rate"), _get(results, n, "ingest", run_b, "rate"))
         )
 
     def fill(server: str, key: str) -> Callable[[int], str]:
-        return lambda n: _fmt(_get(results, n, "fill", server, key))
+        return lambda n: text_of(_get(results, n, "fill", server, key))
 
-    fills = _table(
+    fills = markdown_table(
         ["engines", "exporter fill /s", "exporter /s, last 10 %", "Pushgateway fill /s", "Pushgateway /s, last 10 %"],
         _rows(results, [fill("exporter", "rate"), fill("exporter", "tail_rate"),
                         fill("pushgateway", "rate"), fill("pushgateway", "tail_rate")]),
     )  # fmt: skip
-    ingest = _table(
+    ingest = markdown_table(
         ["engines", "exporter 1 conn /s", "p50 ms", "p99 ms", "exporter 8 conns /s", "floor POST 1 conn /s",
          "floor POST 8 conns /s", "Pushgateway push 1 conn /s", "1 conn / Pushgateway", "1 conn / floor",
-         "8 conns / 1 conn", "errors", "bare SQLite commit /s"],
+         "8 conns / 1 conn", "DP=8 arrays 1 conn engines/s", "arrays engines/s / floor", "heartbeats 1 conn /s",
+         "exporter CPU ms a heartbeat", "errors", "bare SQLite commit /s"],
         _rows(results, [
             rate("exporter_1"), rate("exporter_1", "p50_ms"), rate("exporter_1", "p99_ms"), rate("exporter_8"),
             rate("floor_1"), rate("floor_8"), rate("pushgateway_1"),
             ratio("exporter_1", "pushgateway_1"), ratio("exporter_1", "floor_1"), ratio("exporter_8", "exporter_1"),
+            lambda n: text_of(_engines_per_second(results, n, "exporter_dp8_1")),
+            lambda n: text_of(quotient(_engines_per_second(results, n, "exporter_dp8_1"),
+                                       _get(results, n, "ingest", "floor_1", "rate"))),
+            rate("exporter_heartbeat_1"),
+            lambda n: text_of(_cpu_ms_per_request(results, n, "exporter_heartbeat_1"), 3),
             lambda n: str(sum(run["errors"] for run in _get(results, n, "ingest").values())),
-            lambda n: _fmt(_get(results, n, "sqlite_commit", "rate")),
+            lambda n: text_of(_get(results, n, "sqlite_commit", "rate")),
         ], need="ingest"),
     )  # fmt: skip
     return [
@@ -207,21 +245,22 @@ def _ingest_tables(results: dict[str, Any]) -> list[str]:
 
 def _other_tables(results: dict[str, Any]) -> list[str]:
     def visible(key: str) -> Callable[[int], str]:
-        return lambda n: _fmt(_get(results, n, "visible", key))
+        return lambda n: text_of(_get(results, n, "visible", key))
 
     def rss(server: str) -> Callable[[int], str]:
-        return lambda n: _fmt(_get(results, n, "peak_rss_mb", server), 1)
+        return lambda n: text_of(_get(results, n, "peak_rss_mb", server), 1)
 
     def cpu(n: int) -> str:
-        return (
-            f"{_fmt(_get(results, n, 'cpu', 'other_seconds'), 1)} / {_fmt(_get(results, n, 'cpu', 'wall_seconds'), 0)}"
-        )
+        other, wall = _get(results, n, "cpu", "other_seconds"), _get(results, n, "cpu", "wall_seconds")
+        return f"{text_of(other, 1)} / {text_of(wall, 0)}"
 
-    table = _table(
+    table = markdown_table(
         ["engines", "POST ack p50 ms", "visible p50 ms", "visible p99 ms", "reps", "not on first scrape",
-         "never visible", "exporter peak RSS MB", "Pushgateway peak RSS MB", "other processes' CPU s / wall s"],
+         "never visible", "exporter peak RSS MB", "exporter above empty, KiB an engine", "Pushgateway peak RSS MB",
+         "other processes' CPU s / wall s"],
         _rows(results, [visible("ack_p50_ms"), visible("visible_p50_ms"), visible("visible_p99_ms"), visible("reps"),
-                        visible("violations"), visible("never_visible"), rss("exporter"), rss("pushgateway"), cpu]),
+                        visible("violations"), visible("never_visible"), rss("exporter"),
+                        lambda n: text_of(_rss_per_engine_kib(results, n)), rss("pushgateway"), cpu]),
     )  # fmt: skip
     lines = ["### Ingest-to-visible (Python client: POST, then scrape until shown) and peak RSS", table]
     for n in results["engines"]:
@@ -231,8 +270,8 @@ def _other_tables(results: dict[str, Any]) -> list[str]:
             lines += [
                 "",
                 f"At {int(n):,} engines, scrapes and ingest at once (wrk, 1 connection each): ingest "
-                f"{_fmt(ingest['rate'])}/s, p50 {_fmt(ingest['p50_ms'])} ms, p99 {_fmt(ingest['p99_ms'])} ms; "
-                f"scrape p50 {_fmt(scrape['p50_ms'])} ms, {_fmt(scrape['rate'])}/s.",
+                f"{text_of(ingest['rate'])}/s, p50 {text_of(ingest['p50_ms'])} ms, p99 {text_of(ingest['p99_ms'])} ms; "
+                f"scrape p50 {text_of(scrape['p50_ms'])} ms, {text_of(scrape['rate'])}/s.",
             ]
     return lines
 
@@ -272,10 +311,10 @@ def render(results: dict[str, Any]) -> str:
         header += [f"Measurements during which other processes or the hypervisor took over {DISTURBED:.0%} of a "
                    "core: " + ", ".join(disturbed) + ".", ""]  # fmt: skip
     found = [Target(**{k: v for k, v in t.items() if k != "verdict"}) for t in results["targets"]]
-    verdicts = _table(
+    verdicts = markdown_table(
         ["target", "measured", "ratio or figure", "limit", "result"],
         [
-            [t.name, t.detail, _fmt(t.value, 3), ("<= " if t.at_most else ">= ") + f"{t.limit:g}", t.verdict]
+            [t.name, t.detail, text_of(t.value, 3), ("<= " if t.at_most else ">= ") + f"{t.limit:g}", t.verdict]
             for t in found
         ],
     )

@@ -1,6 +1,7 @@
 """The benchmark run: start every server, fill each to N engines, measure, stop them all, write JSON, print tables.
 
-python -m bench [--quick] [--engines 1,100,1000,10000] [--output bench/results/latest.json]
+python -m bench [--quick] [--engines 1,100,1000,10000] [--without-pushgateway] [--output bench/results/latest.json]
+python -m bench --fleet [--replicas 1250,10000] [--phase-seconds 120]   (bench/fleet.py)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import report, wrk
+from bench import fleet, fleet_report, report, wrk
 from bench.baseline import prometheus_client_render, sqlite_commit_rate
 from bench.load import (
     SCRAPE_FORMATS,
@@ -31,7 +32,9 @@ from bench.load import (
     Engine,
     Request,
     engines,
+    heartbeat_requests,
     info_series,
+    ingest_arrays,
     ingest_requests,
     labels,
     push_request,
@@ -41,10 +44,11 @@ from bench.load import (
     timed_requests,
     visible_latency,
 )
-from bench.procs import HOST, CpuMeter, Server, peak_rss_mb
+from bench.procs import HOST, CpuMeter, Server, peak_rss_mb, process_cpu_seconds, rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "latest.json"
+FLEET_OUTPUT = ROOT / "bench" / "results" / "fleet.json"
 FLOOR_SERVER = Path(__file__).with_name("floor_server.py")
 PUSHGATEWAY = "prometheus-pushgateway"
 # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data: an empty value turns it off.
@@ -53,6 +57,8 @@ PUSHGATEWAY_MODE = "persistence off (--persistence.file= empty): state in memory
 INGEST_FROM = 100  # ingest is measured at every N from here on
 INGEST_TARGETS = 64  # engines an ingest run cycles through, spread over the N
 FILL_BLOCKS = 1997
+# Past the default caps at 80,000 engines (10,000 deployments of DP=8, over 128 MiB): the caps are still checked.
+EXPORTER_LIMITS = ["--limits.deployments", "100000", "--limits.bytes", str(2 << 30)]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -67,7 +73,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--visible-reps", type=int, help="ingest-to-visible repetitions per N (default 50, quick 15)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON file of all raw figures")
     parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run's JSON and exit")
+    parser.add_argument("--without-pushgateway", action="store_true", help="the exporter and the floor only")
+    fleet_options = parser.add_argument_group("the fleet (--fleet): heartbeats, restarts and scrapes over time")
+    fleet_options.add_argument("--fleet", action="store_true", help="run the fleet benchmark (bench/fleet.py)")
+    fleet_options.add_argument("--replicas", default="1250,10000", help="comma-separated vLLM servers of DP=8")
+    fleet_options.add_argument("--phase-seconds", type=float, default=120.0, help="heartbeat and fleet phases")
+    fleet_options.add_argument("--fill-budget", type=float, default=fleet.FILL_BUDGET,
+                               help="most seconds Pushgateway is given to take the whole fleet")  # fmt: skip
+    fleet_options.add_argument("--plot", type=Path, help="the PNG (default: next to --output)")
     args = parser.parse_args(argv)
+    args.replicas = sorted({int(n) for n in args.replicas.split(",")})
+    if args.fleet and (min(args.replicas) < 1 or not 1 <= args.phase_seconds <= 3600):
+        parser.error("--replicas must be positive and --phase-seconds 1..3600")
     args.engines = sorted(
         {int(n) for n in (args.engines or ("1,100,1000" if args.quick else "1,100,1000,10000")).split(",")}
     )
@@ -128,22 +145,27 @@ def metadata(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 class Bench:
     """The servers of one run and the state they were filled to."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, exporter: Server, pushgateway: Server) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, exporter: Server, pushgateway: Server | None) -> None:
         self.args = args
         self.workdir = workdir
         self.exporter = exporter
         self.pushgateway = pushgateway
         self.filled: dict[tuple[str, int], Engine] = {}
         self.values = itertools.count(10_000, 10)  # num_gpu_blocks of each ingest run: never a value seen before
-        self.cpu = CpuMeter([exporter, pushgateway])
+        self.cpu = CpuMeter([server for server in (exporter, pushgateway) if server is not None])
 
     def wrk(self, *jobs: wrk.Job) -> list[dict[str, Any]]:
-        """Run wrk jobs together; each result notes the share of a core other processes took meanwhile."""
+        """Run wrk jobs together; each result notes the share of a core other processes took meanwhile, and the
+        exporter's own CPU seconds."""
+        exporter_cpu = process_cpu_seconds(self.exporter.pid)
         with self.cpu.measure() as cpu:
             results = wrk.run(jobs, self.args.duration, self.workdir)
+        exporter_cpu = process_cpu_seconds(self.exporter.pid) - exporter_cpu
         return [
-            {**result, "other_cpu_share": cpu["other_share"], "steal_share": cpu["steal_share"]} for result in results
-        ]
+            {**result, "other_cpu_share": cpu["other_share"], "steal_share": cpu["steal_share"],
+             "exporter_cpu_seconds": exporter_cpu}
+            for result in results
+        ]  # fmt: skip
 
     def at(self, ordinal: int, n: int) -> dict[str, Any]:
         """Measure at ``n`` engines, noting how much CPU other processes took meanwhile (a disturbed run)."""
@@ -157,10 +179,11 @@ class Bench:
         todo = [engine for engine in population if self.filled.get((engine.deployment, engine.rank)) != engine]
         fill = {"exporter": timed_requests(self.exporter.port, [ready_request(e, FILL_BLOCKS) for e in todo])}
         exposition, series = self._filled(self.exporter, n)
-        pushes = [push_request(e, series[e.deployment, e.rank]) for e in todo]
-        print(f"bench: {len(pushes)} pushes to Pushgateway (each costs more the more it holds)", file=sys.stderr)
-        fill["pushgateway"] = timed_requests(self.pushgateway.port, pushes)
-        self._filled(self.pushgateway, n)
+        if self.pushgateway is not None:
+            pushes = [push_request(e, series[e.deployment, e.rank]) for e in todo]
+            print(f"bench: {len(pushes)} pushes to Pushgateway (each costs more the more it holds)", file=sys.stderr)
+            fill["pushgateway"] = timed_requests(self.pushgateway.port, pushes)
+            self._filled(self.pushgateway, n)
         self.filled.update({(e.deployment, e.rank): e for e in todo})
         result: dict[str, Any] = {"fill": fill, "scrape_body_bytes": len(exposition)}
 
@@ -173,7 +196,7 @@ class Bench:
             try:
                 result["scrape"] = self.scrapes(floor)
                 if n >= INGEST_FROM:
-                    result["ingest"] = self.ingest(targets, series, floor)
+                    result["ingest"] = self.ingest(population, series, floor)
                     result["sqlite_commit"] = sqlite_commit_rate(self.workdir, self.args.duration)
             finally:
                 self.cpu.running.remove(floor)
@@ -186,10 +209,7 @@ class Bench:
         result["prometheus_client_render"] = prometheus_client_render(population, label_set, 20, 5.0)
         first_block_size = 2000 + ordinal * self.args.visible_reps
         result["visible"] = visible_latency(self.exporter.port, population[0], self.args.visible_reps, first_block_size)
-        result["peak_rss_mb"] = {
-            "exporter": peak_rss_mb(self.exporter.pid),
-            "pushgateway": peak_rss_mb(self.pushgateway.pid),
-        }
+        result["peak_rss_mb"] = {server.name: peak_rss_mb(server.pid) for server in self.cpu.running}
         return result
 
     @staticmethod
@@ -219,48 +239,60 @@ class Bench:
             "exporter_text": self._scrape_job(self.exporter, "text"),
             "exporter_openmetrics": self._scrape_job(self.exporter, "openmetrics"),
             "exporter_gzip": self._scrape_job(self.exporter, "gzip"),
-            "pushgateway_text": self._scrape_job(self.pushgateway, "text"),
             "floor_text": self._scrape_job(floor, "text"),
         }
+        if self.pushgateway is not None:
+            jobs["pushgateway_text"] = self._scrape_job(self.pushgateway, "text")
         return {name: self.wrk(job)[0] for name, job in jobs.items()}
 
     def ingest(
-        self, targets: Sequence[Engine], series: dict[tuple[str, int], bytes], floor: Server
+        self, population: Sequence[Engine], series: dict[tuple[str, int], bytes], floor: Server
     ) -> dict[str, dict[str, Any]]:
-        """Every request changes state: the exporter (durable) on 1 and 8 connections, the floor, Pushgateway."""
+        """Every request changes state: the exporter (durable) on 1 and 8 connections, a DP=8 server's engines in one
+        request on 1, the floor, Pushgateway."""
+        targets = spread(population, INGEST_TARGETS)
         jobs = {
             "exporter_1": self._ingest_job(self.exporter, targets, 1),
             "exporter_8": self._ingest_job(self.exporter, targets, 8),
+            "exporter_dp8_1": wrk.Job(self.exporter.port, ingest_arrays(population, next(self.values))),
+            "exporter_heartbeat_1": wrk.Job(self.exporter.port, heartbeat_requests(targets)),
             "floor_1": self._ingest_job(floor, targets, 1),
             "floor_8": self._ingest_job(floor, targets, 8),
-            "pushgateway_1": wrk.Job(self.pushgateway.port, push_requests(targets, series, next(self.values)), 1),
         }
+        if self.pushgateway is not None:
+            pushes = push_requests(targets, series, next(self.values))
+            jobs["pushgateway_1"] = wrk.Job(self.pushgateway.port, pushes, 1)
         return {name: self.wrk(job)[0] for name, job in jobs.items()}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One whole run; every server it started is stopped when it returns or raises."""
     pushgateway_binary = shutil.which(PUSHGATEWAY)
-    if pushgateway_binary is None:
+    if pushgateway_binary is None and not args.without_pushgateway:
         raise SystemExit(f"{PUSHGATEWAY} is not installed: apt-get install prometheus-pushgateway")
     with tempfile.TemporaryDirectory(prefix="cce-bench-") as tmp, contextlib.ExitStack() as servers:
         workdir = Path(tmp)
         exporter_command = [
             sys.executable, "-m", "exporter", "serve", "--storage.path", str(workdir / "bench.db"),
-            "--log.level", "warning", "--web.listen-address",
+            "--log.level", "warning", *EXPORTER_LIMITS, "--web.listen-address",
         ]  # fmt: skip
         exporter = servers.enter_context(
             Server("exporter", lambda port: [*exporter_command, f"{HOST}:{port}"], "/-/healthy", workdir)
         )
-        pushgateway = servers.enter_context(
-            Server(
-                "pushgateway",
-                lambda port: [pushgateway_binary, *PUSHGATEWAY_FLAGS, f"--web.listen-address={HOST}:{port}"],
-                "/-/ready",
-                workdir,
+        pushgateway = None
+        if not args.without_pushgateway:
+            pushgateway = servers.enter_context(
+                Server(
+                    "pushgateway",
+                    lambda port: [pushgateway_binary, *PUSHGATEWAY_FLAGS, f"--web.listen-address={HOST}:{port}"],
+                    "/-/ready",
+                    workdir,
+                )
             )
-        )
+        time.sleep(1.0)
         results: dict[str, Any] = {"meta": metadata(args, workdir)}
+        # What the exporter takes before it holds anything: the base of its memory per engine.
+        results["empty_rss_mb"] = {"exporter": rss_mb(exporter.pid)}
         bench = Bench(args, workdir, exporter, pushgateway)
         results["engines"] = {}
         start = time.monotonic()
@@ -279,9 +311,14 @@ def _terminate(signum: int, _: object) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        print(report.render(json.loads(args.from_json.read_text())))
+        saved = json.loads(args.from_json.read_text())
+        print(fleet_report.render(saved) if "runs" in saved else report.render(saved))
         return 0
     signal.signal(signal.SIGTERM, _terminate)  # so that a kill still stops every server (finally blocks run)
+    if args.fleet:
+        output = FLEET_OUTPUT if args.output == DEFAULT_OUTPUT else args.output
+        plot = args.plot or output.with_suffix(".png")
+        return fleet.main(args.replicas, args.phase_seconds, args.fill_budget, output, plot)
     results = measure(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")

@@ -8,19 +8,28 @@
 # host, and the image is built with --network none and pip --no-index. Starts
 # dockerd when no daemon answers, and stops it again.
 #
+# Every container, volume and image it makes has a name of this run's own
+# (cache-config-exporter-test-RUN), and it removes only what it made: run next to
+# an exporter started from the README, it never touches that one or its volume.
+#
 # Exit codes: 0 passed; 77 skipped, no Docker daemon can be started here;
 # anything else failed (the message says what).
 #
-# Environment: BASE_IMAGE (default python:3.11-slim), IMAGE (default
-# cache-config-exporter:test, kept after the run), PYTHON (interpreter used to
-# fetch wheels and to scrape; default python3), DEBIAN_MIRROR (see
-# docker/make-base-image.sh), DOCKER_WAIT (seconds, default 60).
+# Environment: BASE_IMAGE (default python:3.11-slim), IMAGE (default: a tag of
+# this run, removed afterwards; a given IMAGE is built and kept), PYTHON
+# (interpreter used to fetch wheels and to scrape; default python3),
+# DEBIAN_MIRROR (see docker/make-base-image.sh), DOCKER_WAIT (seconds, default 60).
 set -euo pipefail
 
 SKIP=77
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BASE_IMAGE=${BASE_IMAGE:-python:3.11-slim}
-IMAGE=${IMAGE:-cache-config-exporter:test}
+RUN=$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
+OWN_IMAGE=""
+if [[ -z ${IMAGE:-} ]]; then
+  IMAGE="cache-config-exporter-test:$RUN"
+  OWN_IMAGE=$IMAGE
+fi
 PYTHON=${PYTHON:-python3}
 DOCKER_WAIT=${DOCKER_WAIT:-60}
 FIXTURE="$REPO/tests/fixtures/vllm-ready/hybrid-tp1-post50809.msgpack"
@@ -28,10 +37,14 @@ DEPLOYMENT=docker-image-test
 STARTED=$SECONDS
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cache-config-exporter-image.XXXXXX")
-NAME="cache-config-exporter-test-$$"
-VOLUME="cache-config-exporter-test-$$"
+NAME="cache-config-exporter-test-$RUN"
+VOLUME="cache-config-exporter-test-$RUN"
+RUN_LABEL="org.cache-config-exporter.test-run=$RUN"
 DOCKERD_PID=""
+# What this run made, and only that, is removed at the end.
 CONTAINERS=()
+VOLUME_MADE=""
+BUILDER_IMAGES_BEFORE=""
 
 log() { printf 'test-image: %s\n' "$*" >&2; }
 
@@ -50,7 +63,12 @@ cleanup() {
     fi
     docker rm --force --volumes "$container" >/dev/null 2>&1
   done
-  docker volume rm --force "$VOLUME" >/dev/null 2>&1
+  if [[ -n $VOLUME_MADE ]]; then docker volume rm --force "$VOLUME" >/dev/null 2>&1; fi
+  if [[ -n $OWN_IMAGE ]]; then docker rmi "$OWN_IMAGE" >/dev/null 2>&1; fi
+  if [[ -n $BUILDER_IMAGES_BEFORE ]]; then
+    # The builder stages this build left behind; those of earlier builds (anyone's) stay.
+    builder_images | grep -vxF -f "$WORK/builder-images-before" | xargs --no-run-if-empty docker rmi >/dev/null 2>&1
+  fi
   if [[ -n $DOCKERD_PID ]]; then
     log "stopping the dockerd it started"
     kill "$DOCKERD_PID" 2>/dev/null
@@ -138,9 +156,14 @@ build_wheelhouse() {
   fi
 }
 
+# The untagged builder-stage images of docker/Dockerfile, by ID.
+builder_images() {
+  docker image ls --quiet --no-trunc --filter dangling=true --filter label=org.cache-config-exporter.stage=builder
+}
+
 build_image() {
-  local previous
-  previous=$(docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+  builder_images >"$WORK/builder-images-before"
+  BUILDER_IMAGES_BEFORE=yes
   log "building $IMAGE on $BASE_IMAGE (log in $WORK/build.log)"
   if ! DOCKER_BUILDKIT=0 docker build --network none --file "$REPO/docker/Dockerfile" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
@@ -149,14 +172,6 @@ build_image() {
     tail -n 30 "$WORK/build.log" >&2
     fail "docker build failed"
   fi
-  local current
-  current=$(docker image inspect --format '{{.Id}}' "$IMAGE")
-  if [[ -n $previous && $previous != "$current" ]]; then
-    docker rmi "$previous" >/dev/null 2>&1 || true
-  fi
-  # Untagged builder-stage images: the newest is the next build's cache, older ones are garbage.
-  docker image ls --quiet --filter dangling=true --filter label=org.cache-config-exporter.stage=builder |
-    tail -n +2 | xargs --no-run-if-empty docker rmi >/dev/null 2>&1 || true
 }
 
 # expect_config GO-TEMPLATE EXPECTED: one field of the image's configuration.
@@ -211,8 +226,10 @@ healthy() {
 start_container() {
   local name=$1
   shift
+  # Counted as this run's only once created: a name taken by someone else's container fails here instead.
+  docker run --detach --name "$name" --label "$RUN_LABEL" --health-interval 1s --health-start-period 30s \
+    "$@" "$IMAGE" >/dev/null || fail "cannot create container $name"
   CONTAINERS+=("$name")
-  docker run --detach --name "$name" --health-interval 1s --health-start-period 30s "$@" "$IMAGE" >/dev/null
   wait_for "$name to be healthy" 60 healthy "$name" ||
     fail "$name never became healthy (its HEALTHCHECK against /-/healthy)"
 }
@@ -254,7 +271,10 @@ check_defaults() {
 # Push, scrape, restart, re-create on the same volume: the state must survive on the volume.
 check_volume() {
   PORT=$(free_port)
-  docker volume create "$VOLUME" >/dev/null
+  # docker volume create succeeds on an existing volume: refuse one this run did not make.
+  ! docker volume inspect "$VOLUME" >/dev/null 2>&1 || fail "volume $VOLUME exists already: not this run's"
+  docker volume create --label "$RUN_LABEL" "$VOLUME" >/dev/null
+  VOLUME_MADE=yes
   start_on_volume "$NAME"
   log "pushing $(basename "$FIXTURE") with the image's own push command"
   docker run --rm --interactive --network host "$IMAGE" push /dev/stdin \

@@ -11,6 +11,7 @@ import atexit
 import functools
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -73,6 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Descriptors besides connections: SQLite and its WAL, the listening sockets, the log, the watched access files.
+SPARE_DESCRIPTORS = 64
+
+
+def connections_within_descriptors(max_connections: int) -> tuple[int, int]:
+    """Raise the soft limit on open files as far as the hard one allows; the connections that then fit
+    (each may hold two descriptors: its socket, and a probe's connection to its target), and the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an unlimited hard limit is more than the kernel takes: keep the soft one
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return max_connections, soft
+    return max(1, min(max_connections, (soft - SPARE_DESCRIPTORS) // 2)), soft
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     """SIGTERM outside uvicorn's own handler: at start-up, or re-raised by uvicorn after its graceful shutdown."""
     raise SystemExit(0)
@@ -81,9 +101,10 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from exporter.auth import Credentials
+    from exporter.https_listener import ReloadingTls, watched_tls
     from exporter.probe_http import MetricsClient
     from exporter.request_guard import GuardedHttpToolsProtocol
-    from exporter.security import Credentials, ReloadingTls, watched_tls
     from exporter.service import create_app
 
     # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
@@ -114,6 +135,19 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("cache_config_exporter").info(
         "starting %d worker(s) on %s, storage %s", settings.workers, settings.listen_address, settings.storage_path
     )
+    unknown = settings.info_labels().unknown()
+    if unknown:
+        logging.getLogger("cache_config_exporter").warning(
+            "no vLLM release known here has the label(s) %s named by --metric.labels-*: a typo, or a newer vLLM's",
+            ", ".join(unknown),
+        )
+    max_connections, descriptors = connections_within_descriptors(settings.max_connections)
+    if max_connections < settings.max_connections:
+        logging.getLogger("cache_config_exporter").warning(
+            "--web.max-connections %d does not fit in the open-file limit of %d (ulimit -n, raised as far as the "
+            "hard limit allows): at most %d connections are served",
+            settings.max_connections, descriptors, max_connections,
+        )  # fmt: skip
     protocol = functools.partial(
         GuardedHttpToolsProtocol,
         max_header_bytes=settings.max_header_bytes,
@@ -129,7 +163,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         server_header=False,
-        limit_concurrency=settings.max_connections,
+        limit_concurrency=max_connections,
         timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
         ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,
     )

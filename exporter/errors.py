@@ -1,4 +1,5 @@
-"""What the exporter refuses, below the HTTP layer: each error names the field at fault.
+"""What the exporter refuses, below the HTTP layer and at its door (the request guard's limits): each error
+names the field at fault.
 
 ``exporter/problems.py`` holds the one table that turns these (and the
 protocol's ``InvalidPayload``) into HTTP statuses.
@@ -34,6 +35,38 @@ class InvalidRequest(Refused):
 
 class UnsupportedMediaType(Refused):
     """A body in a media type the route does not take."""
+
+
+class Forbidden(Refused):
+    """A target the probe's allowlist does not let the exporter fetch."""
+
+
+class HostNotServed(Refused):
+    """A ``Host`` name this exporter does not serve (``--web.allowed-hosts``, against DNS rebinding)."""
+
+
+class BodyTooLarge(Refused):
+    """A request body over ``--web.max-request-bytes``."""
+
+
+class BodyTimeout(Refused):
+    """A request body that did not arrive within ``--web.read-timeout``."""
+
+
+class ClientDisconnected(Refused):
+    """The client left before sending the whole body."""
+
+
+class HeadersTooLarge(Refused):
+    """A request line and headers over ``--web.max-header-bytes``."""
+
+
+class HeaderTimeout(Refused):
+    """A request line and headers that did not arrive within ``--web.header-timeout``."""
+
+
+class TooManyConnections(Refused):
+    """A connection past ``--web.max-connections`` (or what the open-file limit allows)."""
 
 
 class StorageUnavailable(RuntimeError):

@@ -30,7 +30,16 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.utils import floatToGoString
 
 from exporter.replicas import Replica, ReplicaKey
-from exporter.series import FAMILIES, Labels, replica_samples
+from exporter.series import (
+    EVERY_LABEL,
+    FAMILIES,
+    LIVENESS,
+    InfoLabels,
+    Labels,
+    Sample,
+    liveness_samples,
+    replica_samples,
+)
 from exporter.state import ExporterState, PerVersion
 from exporter.telemetry import Telemetry
 
@@ -109,10 +118,13 @@ class ReplicaLines:
     """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then join.
 
     Called from the writer thread (the budget) and from the scrape's thread; a render lost to a race is only
-    done again.
+    done again. The cache holds the replicas of the last scrape, and no others: each scrape drops those that
+    went, and a replica the budget measures is kept only when it replaces one of them, so replicas that come
+    and go between scrapes leave nothing behind.
     """
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(self, prefix: str = "", info_labels: InfoLabels = EVERY_LABEL) -> None:
+        self.info_labels = info_labels
         self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
         self.headers = tuple(
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
@@ -121,19 +133,35 @@ class ReplicaLines:
         self._rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
-        """One replica's lines, a bytes string per family."""
+        """One replica's lines, a bytes string per family.
+
+        A heartbeat replaces the replica but keeps its synced config and engines (the same objects): then only
+        the liveness lines (the last two families) are rendered again, so a fleet's heartbeats cost a scrape little.
+        """
         cached = self._rendered.get(replica.key)
         if cached is not None and cached[0] is replica:
             return cached[1]
-        lines = tuple(
-            "".join(_line(name, labels, value) for labels, value in samples).encode()
-            for name, samples in zip(self.names, replica_samples(replica), strict=True)
-        )
+        if cached is not None and cached[0].synced is replica.synced and cached[0].engines is replica.engines:
+            lines = cached[1][: -len(LIVENESS)] + self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica))
+        else:
+            lines = self._render(replica)
         self._rendered[replica.key] = (replica, lines)
         return lines
 
+    def _render(self, replica: Replica) -> tuple[bytes, ...]:
+        return self._encode(self.names, replica_samples(replica, self.info_labels))
+
+    @staticmethod
+    def _encode(names: Sequence[str], samples_by_family: Sequence[list[Sample]]) -> tuple[bytes, ...]:
+        return tuple(
+            "".join(_line(name, labels, value) for labels, value in samples).encode()
+            for name, samples in zip(names, samples_by_family, strict=True)
+        )
+
     def size(self, replica: Replica) -> int:
-        return sum(len(family) for family in self.of(replica))
+        """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
+        lines = self.of(replica) if replica.key in self._rendered else self._render(replica)
+        return sum(len(family) for family in lines)
 
     def body(self, replicas: Mapping[ReplicaKey, Replica]) -> bytes:
         """The cache-config families of all ``replicas``; only called from one thread at a time."""

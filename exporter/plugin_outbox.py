@@ -10,6 +10,10 @@ rules live here, without either, so that they can be driven step by step with a 
   the number of engines however long the exporter is away;
 - labels go before the ready responses they belong with; heartbeats only once everything is delivered,
   the earliest first;
+- what a replica's engines report within ``window`` seconds of the first goes together: the newest labels
+  (unless they are back to those delivered), then the ready responses as one request (one commit: a DP=8
+  server's restart is one request), each still taken or refused alone; an exporter that refuses such a
+  request whole (over its body limit, or one without arrays) gets one ready response a request;
 - while the exporter is away every request waits out a ``Backoff``;
 - a heartbeat the exporter does not know (404) means it lost the replica: everything goes again.
 
@@ -29,6 +33,8 @@ from exporter import sender
 # Answers that may change on their own (401 and 403 too: the token file may be rotated);
 # any other refusal (400, 409, 422, ...) is final for what was sent.
 RETRY_STATUSES = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
+# The ready responses of one request: well below the exporter's default body limit (64 KiB).
+MAX_BATCH_BYTES = 48 * 1024
 
 
 class Backoff:
@@ -74,35 +80,45 @@ class _Replica:
     config: dict[str, str] | None = None
     config_version: int = 0
     config_delivered: int = 0
+    # The labels at ``config_delivered`` (``None`` when not known): labels that change and come back are not sent.
+    delivered_config: dict[str, str] | None = None
     run: str | None = None
     engines: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     engines_delivered: dict[int, int] = field(default_factory=dict)
     # The exporter took part of this state: heartbeats keep it there, and the goodbye removes it.
     held: bool = False
     next_heartbeat: float = math.inf
+    # Ready responses offered until then go with the first undelivered one.
+    gathering_until: float = -math.inf
+
+    def pending(self) -> list[tuple[int, int, bytes]]:
+        """The ready responses the exporter has still to take: (engine, version, payload), by engine."""
+        return sorted(
+            (index, version, payload)
+            for index, (version, payload) in self.engines.items()
+            if self.engines_delivered.get(index) != version
+        )
 
     def undelivered(self) -> int:
-        config = int(self.config_version != self.config_delivered)
-        return config + sum(
-            self.engines_delivered.get(index) != version for index, (version, _) in self.engines.items()
-        )
+        return int(self.config_version != self.config_delivered) + len(self.pending())
 
     def forget_delivery(self) -> None:
         """The exporter does not hold this replica: everything goes again."""
         self.config_delivered = 0
+        self.delivered_config = None
         self.engines_delivered.clear()
         self.held = False
         self.next_heartbeat = math.inf
 
 
 class Attempt(NamedTuple):
-    """One request due: the ``kind`` of item of a replica, at the ``version`` that is delivered once it is taken."""
+    """One request due: the ``kind`` of items of a replica, at the ``versions`` delivered once taken: the labels'
+    as ``(0, version)``, each ready response's as ``(engine, version)`` in the order sent; none for a heartbeat."""
 
     deployment: str
     replica: str
-    kind: Literal["config", "engine", "heartbeat"]
-    engine: int
-    version: int
+    kind: Literal["config", "engines", "heartbeat"]
+    versions: tuple[tuple[int, int], ...]
     call: sender.Call
 
 
@@ -119,6 +135,8 @@ class Verdict(enum.Enum):
     LABELS_REFUSED = enum.auto()
     # A heartbeat the exporter does not know (new, restarted, or its storage lost): everything goes again.
     NOT_HELD = enum.auto()
+    # Several ready responses refused whole, none named: they go again one a request.
+    SPLIT = enum.auto()
 
 
 def verdict_of(attempt: Attempt, outcome: sender.Outcome) -> Verdict:
@@ -134,25 +152,53 @@ def verdict_of(attempt: Attempt, outcome: sender.Outcome) -> Verdict:
     return Verdict.REFUSED
 
 
+def outcomes_of(attempt: Attempt, outcome: sender.Outcome) -> list[sender.Outcome]:
+    """What came of each item of ``attempt``: the exporter's refusal of it, else the answer to the whole request."""
+    if isinstance(outcome, sender.Accepted) and isinstance(outcome.state, dict):
+        refused = sender.item_refusals(outcome.state.get("refused"))
+    elif isinstance(outcome, sender.Refused):
+        refused = outcome.items
+    else:
+        refused = {}
+    return [refused.get(place, outcome) for place in range(len(attempt.versions) or 1)]
+
+
+def _split(attempt: Attempt, outcome: sender.Outcome) -> bool:
+    """Several ready responses refused for good as a whole, none of them named: they go one a request."""
+    return (
+        attempt.kind == "engines"
+        and len(attempt.versions) > 1
+        and isinstance(outcome, sender.Refused)
+        and not outcome.items
+        and outcome.status not in RETRY_STATUSES
+    )
+
+
 class Outbox:
     """What one exporter is owed, and which request is due when; ``now`` is always the caller's."""
 
-    def __init__(self, heartbeat_seconds: float, backoff: Backoff) -> None:
+    def __init__(self, heartbeat_seconds: float, backoff: Backoff, window_seconds: float) -> None:
         self._heartbeat_seconds = heartbeat_seconds
         self._backoff = backoff
+        self._window = window_seconds
+        self._batch_bytes = MAX_BATCH_BYTES
         self._replicas: dict[tuple[str, str], _Replica] = {}
         self._versions = itertools.count(1)
         self._retry_at = -math.inf
         # Nothing answered since a failure: the log warns once per outage, and the end of one checks the replicas.
         self.failing = False
 
-    def offer(self, update: Update) -> None:
-        """Take ``update`` as the newest state of its engine (and labels)."""
+    def offer(self, update: Update, now: float) -> None:
+        """Take ``update``, offered at ``now``, as the newest state of its engine (and labels)."""
         key = (update.deployment, update.replica)
         replica = self._replicas.setdefault(key, _Replica(update.deployment, update.replica))
+        if not replica.undelivered():
+            replica.gathering_until = now + self._window
         if update.config != replica.config:
             replica.config = update.config
             replica.config_version = next(self._versions)
+            if update.config == replica.delivered_config:
+                replica.config_delivered = replica.config_version
         if update.run is not None and update.run != replica.run:
             # A new run of this server: the exporter drops the previous run's engines, and so does this.
             replica.run = update.run
@@ -169,39 +215,65 @@ class Outbox:
         if now < self._retry_at:
             return self._retry_at - now
         interval = self._heartbeat_seconds
+        gathering = math.inf
         for replica in self._replicas.values():
             deployment, name = replica.deployment, replica.name
-            if replica.config_version != replica.config_delivered:
+            if now < replica.gathering_until and replica.undelivered():
+                gathering = min(gathering, replica.gathering_until - now)
+            elif replica.config_version != replica.config_delivered:
                 call = sender.cache_config_call(deployment, replica.config or {}, name, heartbeat=interval)
-                return Attempt(deployment, name, "config", 0, replica.config_version, call)
-            for index, (version, payload) in replica.engines.items():
-                if replica.engines_delivered.get(index) != version:
-                    call = sender.ready_call(deployment, payload, "msgpack", name, heartbeat=interval)
-                    return Attempt(deployment, name, "engine", index, version, call)
+                return Attempt(deployment, name, "config", ((0, replica.config_version),), call)
+            elif pending := replica.pending():
+                return self._engines(replica, pending)
+        if gathering < math.inf:
+            return gathering
         replica = min(self._replicas.values(), key=lambda replica: replica.next_heartbeat, default=None)
         if replica is None or replica.next_heartbeat > now:
             return math.inf if replica is None else replica.next_heartbeat - now
         call = sender.heartbeat_call(replica.deployment, replica.name, interval)
-        return Attempt(replica.deployment, replica.name, "heartbeat", 0, 0, call)
+        return Attempt(replica.deployment, replica.name, "heartbeat", (), call)
+
+    def _engines(self, replica: _Replica, pending: list[tuple[int, int, bytes]]) -> Attempt:
+        """The pending ready responses that fit one request: one alone goes as it is, several as an array."""
+        sent, size = pending[:1], len(pending[0][2])
+        for item in pending[1:]:
+            size += len(item[2])
+            if size > self._batch_bytes:
+                break
+            sent.append(item)
+        interval = self._heartbeat_seconds
+        payloads = [payload for _, _, payload in sent]
+        if len(sent) == 1:
+            call = sender.ready_call(replica.deployment, payloads[0], "msgpack", replica.name, heartbeat=interval)
+        else:
+            call = sender.ready_batch_call(replica.deployment, payloads, replica.name, heartbeat=interval)
+        versions = tuple((index, version) for index, version, _ in sent)
+        return Attempt(replica.deployment, replica.name, "engines", versions, call)
 
     def record(self, attempt: Attempt, outcome: sender.Outcome, now: float) -> Verdict:
-        """Take what came of ``attempt``, answered at ``now``; the verdict is for the caller's log."""
-        verdict = verdict_of(attempt, outcome)
+        """Take what came of ``attempt``, answered at ``now``; the verdict (the worst of its items') is for the
+        caller's log."""
         replica = self._replicas[(attempt.deployment, attempt.replica)]
-        if verdict is Verdict.RETRY:
-            self._retry_at = now + self._backoff.failed()
-            self.failing = True
-        elif verdict is Verdict.NOT_HELD:
+        if _split(attempt, outcome):
+            self._batch_bytes = 0
+            return Verdict.SPLIT
+        verdicts = [verdict_of(attempt, item) for item in outcomes_of(attempt, outcome)]
+        if Verdict.NOT_HELD in verdicts:
             replica.forget_delivery()
             self._answered(now)
-        else:
-            self._done(replica, attempt, verdict is Verdict.DELIVERED, now)
-            if verdict is Verdict.DELIVERED:
-                self._answered(now)
-            elif verdict is Verdict.REFUSED:
-                # Logged as a failure is: the next answer ends it.
-                self.failing = True
-        return verdict
+            return Verdict.NOT_HELD
+        if any(verdict is not Verdict.RETRY for verdict in verdicts):
+            taken = [
+                item for item, verdict in zip(attempt.versions, verdicts, strict=False) if verdict is not Verdict.RETRY
+            ]
+            self._done(replica, attempt.kind, taken, Verdict.DELIVERED in verdicts, now)
+        if Verdict.DELIVERED in verdicts:
+            self._answered(now)
+        if Verdict.RETRY in verdicts:
+            self._retry_at = now + self._backoff.failed()
+        # Logged as a failure is: the next answer ends it.
+        self.failing = self.failing or Verdict.RETRY in verdicts or Verdict.REFUSED in verdicts
+        return next((worst for worst in (Verdict.RETRY, Verdict.REFUSED) if worst in verdicts), verdicts[0])
 
     def goodbyes(self) -> list[sender.Call]:
         """A goodbye for each replica the exporter holds (vLLM shuts down cleanly)."""
@@ -209,12 +281,14 @@ class Outbox:
             sender.goodbye_call(replica.deployment, replica.name) for replica in self._replicas.values() if replica.held
         ]
 
-    def _done(self, replica: _Replica, attempt: Attempt, accepted: bool, now: float) -> None:
-        """``attempt``'s item is delivered (or refused for good): only a newer version goes again."""
-        if attempt.kind == "config":
-            replica.config_delivered = attempt.version
-        elif attempt.kind == "engine" and attempt.engine in replica.engines:
-            replica.engines_delivered[attempt.engine] = attempt.version
+    def _done(self, replica: _Replica, kind: str, versions: list[tuple[int, int]], accepted: bool, now: float) -> None:
+        """The items at ``versions`` are delivered (or refused for good): only a newer version goes again."""
+        for index, version in versions:
+            if kind == "config":
+                replica.config_delivered = version
+                replica.delivered_config = replica.config if version == replica.config_version else None
+            elif kind == "engines" and index in replica.engines:
+                replica.engines_delivered[index] = version
         # A refusal takes nothing from what the exporter holds already.
         replica.held = replica.held or accepted
         if replica.held:

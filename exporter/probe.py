@@ -241,6 +241,7 @@ class Prober:
         self.max_seconds = settings.probe_timeout_seconds
         self.max_engines = settings.max_engines_per_deployment
         self.prefix = settings.metric_prefix
+        self.info_labels = settings.info_labels()
         self.base_labels = dict(base_labels)
         shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
         self.results = Counter(
@@ -296,7 +297,7 @@ class Prober:
 
     def _series(self, replica: Replica) -> bytes:
         """The replica's cache-config lines as ``/metrics`` renders them, without the families the probe cannot know."""
-        lines = ReplicaLines(self.prefix)
+        lines = ReplicaLines(self.prefix, self.info_labels)
         left_out = _NOT_SHOWN | (_SERVER_FIGURES if len(replica.engines) > 1 else frozenset())
         return b"".join(
             header + rendered

@@ -21,8 +21,8 @@ import h11
 
 from exporter import __version__, sender
 from exporter.probe_targets import Target
-from exporter.security import Watched
 from exporter.settings import Settings, SettingsError, flag_of, read_secret
+from exporter.watched_files import Watched
 
 # The response line and headers of a target; vLLM's are a few hundred bytes.
 MAX_HEAD_BYTES = 16 << 10

@@ -16,12 +16,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from exporter.auth import Unauthorized
+from exporter.bcrypt_checks import AuthenticationBusy
 from exporter.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientDisconnected,
+    Forbidden,
+    HeadersTooLarge,
+    HeaderTimeout,
+    HostNotServed,
     InvalidRequest,
     LimitExceeded,
     NotFound,
     Refused,
     StorageUnavailable,
+    TooManyConnections,
     UnsupportedMediaType,
 )
 from protocol import InvalidPayload, MalformedPayload, SyncConflict
@@ -58,16 +68,28 @@ class Refusal(NamedTuple):
     headers: Mapping[str, str] = {}
 
 
+# The rest of the request is never read, so the connection ends.
+_CLOSE = {"Connection": "close"}
 # The most specific class of an error decides (its method resolution order is walked).
 REFUSALS: dict[type[Exception], Refusal] = {
+    HeadersTooLarge: Refusal(431, "Request header fields too large", "header_too_large", _CLOSE),
+    HeaderTimeout: Refusal(408, "Request timeout", "header_timeout", _CLOSE),
+    HostNotServed: Refusal(421, "Misdirected request", "host"),
+    BodyTooLarge: Refusal(413, "Request body too large", "too_large", _CLOSE),
+    BodyTimeout: Refusal(408, "Request timeout", "timeout", _CLOSE),
+    ClientDisconnected: Refusal(400, "Client disconnected", "client_disconnected"),
+    TooManyConnections: Refusal(503, "Too many connections", "connections", {**_CLOSE, "Retry-After": "1"}),
     MalformedPayload: Refusal(400, "Malformed payload", "malformed"),
     SyncConflict: Refusal(409, "Conflicting engines", "conflict"),
     InvalidPayload: Refusal(422, "Invalid payload", "invalid"),
     InvalidRequest: Refusal(422, "Invalid request", "invalid_request"),
     UnsupportedMediaType: Refusal(415, "Unsupported media type", "unsupported_media_type"),
     NotFound: Refusal(404, "Not found", "not_found"),
+    Forbidden: Refusal(403, "Forbidden", "forbidden"),
     LimitExceeded: Refusal(429, "Limit reached", "limit"),
     StorageUnavailable: Refusal(503, "Storage unavailable", "storage_unavailable", {"Retry-After": "1"}),
+    Unauthorized: Refusal(401, "Unauthorized", "unauthorized"),
+    AuthenticationBusy: Refusal(503, "Authentication busy", "auth_busy", {"Retry-After": "1"}),
 }
 
 
@@ -81,17 +103,25 @@ def problem_for(error: Exception) -> Problem:
         detail, field = error.reason, error.field
     else:
         detail, field = f"nothing was changed: {error}", None
-    return Problem(refusal.status, refusal.title, detail, field, refusal.reason, refusal.headers)
+    # A refusal may carry headers of its own (a 401's challenge) over those of its row.
+    headers = {**refusal.headers, **getattr(error, "headers", {})}
+    return Problem(refusal.status, refusal.title, detail, field, refusal.reason, headers)
 
 
-def problem_response(request: Request, problem: Problem) -> Response:
+def problem_document(problem: Problem, instance: str | None = None) -> bytes:
+    """The RFC 9457 document of a problem; ``instance`` is the request's path, when there is a request."""
     body: dict[str, object] = {
         "type": f"urn:cache-config-exporter:problem:{problem.reason}",
         "title": problem.title,
         "status": problem.status,
         "detail": problem.detail,
-        "instance": request.url.path,
     }
+    if instance is not None:
+        body["instance"] = instance
     if problem.field is not None:
         body["field"] = problem.field
-    return Response(_json.encode(body), problem.status, problem.headers, PROBLEM_JSON)
+    return _json.encode(body)
+
+
+def problem_response(request: Request, problem: Problem) -> Response:
+    return Response(problem_document(problem, request.url.path), problem.status, problem.headers, PROBLEM_JSON)

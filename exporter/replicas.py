@@ -7,6 +7,7 @@ inputs, so readers can hold one without locks and caches can key on identity.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -23,8 +24,11 @@ ReplicaKey = tuple[str, str]
 _static_encoder = msgspec.json.Encoder()
 
 
-class EngineReport(msgspec.Struct, frozen=True):
-    """One engine's latest ready response: the bytes as received, decoded, and when (Unix seconds)."""
+class EngineReport(msgspec.Struct, frozen=True, gc=False):
+    """One engine's latest ready response: the bytes as received, decoded, and when (Unix seconds).
+
+    ``gc=False`` (as for ``Replica``): these hold no cycles, so the collector need not track one per engine.
+    """
 
     engine: int
     received_at: float
@@ -33,7 +37,7 @@ class EngineReport(msgspec.Struct, frozen=True):
     wire_format: str
 
 
-class Replica(msgspec.Struct, frozen=True, kw_only=True):
+class Replica(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A replica's inputs and the config synced from them; never changed, only replaced."""
 
     deployment: str
@@ -43,6 +47,9 @@ class Replica(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds between the heartbeats its sender promised; None for one-off pushes, which never expire.
     heartbeat_seconds: float | None
     last_seen: float
+    # When last heard from on this process's monotonic clock: what expiry counts from, so that a step of
+    # the wall clock neither expires live replicas nor keeps silent ones.
+    seen: float
     engines: Mapping[int, EngineReport]
     synced: SyncedConfig
 
@@ -59,9 +66,12 @@ def build_replica(
     last_seen: float,
     engines: Mapping[int, EngineReport],
     base_labels: Mapping[str, str],
+    *,
+    seen: float | None = None,
 ) -> Replica:
     """A replica with its config synced from ``engines`` over ``base_labels`` and its own static labels.
 
+    ``seen`` (expiry's clock, see ``Replica.seen``) is now unless given.
     Raises the protocol's ``SyncConflict`` when the engines contradict each other.
     """
     responses = {index: report.response for index, report in engines.items()}
@@ -72,13 +82,17 @@ def build_replica(
         static_labels=static_labels,
         heartbeat_seconds=heartbeat_seconds,
         last_seen=last_seen,
+        seen=time.monotonic() if seen is None else seen,
         engines=MappingProxyType(dict(engines)),
         synced=sync({**base_labels, **static_labels}, responses),
     )
 
 
-def restored(stored: StoredReplica, base_labels: Mapping[str, str]) -> Replica:
-    """A replica from its stored inputs, decoded and synced again (so newer sync rules apply to old data)."""
+def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float) -> Replica:
+    """A replica from its stored inputs, decoded and synced again (so newer sync rules apply to old data).
+
+    ``seen``: its stored ``last_seen`` on the monotonic clock of the process that loads it.
+    """
     engines = {
         engine: EngineReport(
             engine, row.received_at, decode_ready_response(row.payload, row.wire_format), row.payload, row.wire_format
@@ -89,7 +103,14 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str]) -> Replica:
     static_labels = decode_static_labels(stored.static_config)
     key = (stored.deployment, stored.replica)
     return build_replica(
-        key, stored.instance_id, static_labels, stored.heartbeat_seconds, stored.last_seen, engines, base_labels
+        key,
+        stored.instance_id,
+        static_labels,
+        stored.heartbeat_seconds,
+        stored.last_seen,
+        engines,
+        base_labels,
+        seen=seen,
     )
 
 

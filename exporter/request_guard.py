@@ -2,36 +2,51 @@
 
 Two layers: ``GuardedHttpToolsProtocol`` (uvicorn's HTTP/1.1 protocol, plus a cap on header bytes and a
 header-phase timeout, which uvicorn's httptools parser lacks) refuses a request before it exists;
-``RequestGuard`` (ASGI middleware) checks the Host name and the body's size and pace.
+``RequestGuard`` (ASGI middleware) checks the Host name and the body's size and pace. Each refusal is an
+error of ``exporter/errors.py`` whose status, title and headers come from ``exporter/problems.py``'s table.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from exporter.problems import Problem
+from exporter.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientDisconnected,
+    HeadersTooLarge,
+    HeaderTimeout,
+    HostNotServed,
+    Refused,
+    TooManyConnections,
+)
+from exporter.problems import PROBLEM_JSON, Problem, problem_document, problem_for
 from exporter.settings import flag_of, is_loopback
 
 # Answers a refusal made here (and counts it, as the app counts every refusal).
 RefusalAnswer = Callable[[Scope, Problem], Response]
-
-
-# The rest of a refused body is never read, so the connection ends.
-_CLOSE = {"Connection": "close"}
+# At the connection cap, one warning per this many seconds at most, with the count refused since the last one.
+CAP_LOG_SECONDS = 10.0
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with 431 once a request's line and headers pass ``max_header_bytes``,
     and 408 when they take longer than ``header_timeout`` seconds (counted from the connection's start or
-    the request's first byte), so neither a huge header nor a slow-header client can hold memory or a slot."""
+    the request's first byte), so neither a huge header nor a slow-header client can hold memory or a slot.
+    A connection past the cap (``limit_concurrency``) is answered 503 and closed at once, before it sends
+    anything: idle connections cannot take every file descriptor."""
+
+    # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
+    _cap_logged: ClassVar[float] = float("-inf")
+    _cap_refused: ClassVar[int] = 0
 
     def __init__(self, *args: Any, max_header_bytes: int, header_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -43,7 +58,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) >= limit:
+            self._at_cap(limit)
+            return
         self._arm_header_timer()
+
+    def _at_cap(self, limit: int) -> None:
+        cls = GuardedHttpToolsProtocol
+        cls._cap_refused += 1
+        now = time.monotonic()
+        if now - cls._cap_logged >= CAP_LOG_SECONDS:
+            self.logger.warning("At the connection cap of %d (--web.max-connections): refused %d connection(s) with "
+                                "503 since the last such warning", limit, cls._cap_refused)  # fmt: skip
+            cls._cap_logged, cls._cap_refused = now, 0
+        detail = f"the exporter serves at most {limit} connections at once; retry later"
+        self._refuse(TooManyConnections(None, detail), log=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
@@ -61,8 +91,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._header_room == 0:  # the headers are still not complete, and their room is used up
-            self._refuse(431, "Request header fields too large",
-                         f"the request line and headers are limited to {self.max_header_bytes} bytes")  # fmt: skip
+            detail = f"the request line and headers are limited to {self.max_header_bytes} bytes"
+            self._refuse(HeadersTooLarge("headers", detail))
             return
         self.data_received(data[room:])
 
@@ -96,17 +126,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:  # answer the request before it first
             self._arm_header_timer()
             return
-        detail = f"the request line and headers did not arrive within {self.header_timeout} s"
-        self._refuse(408, "Request timeout", detail)
+        self._refuse(
+            HeaderTimeout("headers", f"the request line and headers did not arrive within {self.header_timeout} s")
+        )
 
-    def _refuse(self, status: int, title: str, detail: str) -> None:
-        """Answer with a problem and close: no request exists yet, so this is written by hand."""
-        reason = "header_too_large" if status == 431 else "header_timeout"
-        body = json.dumps({"type": f"urn:cache-config-exporter:problem:{reason}", "title": title, "status": status,
-                           "detail": detail, "field": "headers"}).encode()  # fmt: skip
-        head = b"content-type: application/problem+json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-        self.logger.warning("Refused a request: %s", detail)
-        self.transport.write(STATUS_LINE[status] + head + body)
+    def _refuse(self, error: Refused, log: bool = True) -> None:
+        """Answer with the error's problem and close: no request exists yet, so the answer is written here."""
+        problem = problem_for(error)
+        body = problem_document(problem)
+        headers = {"content-type": PROBLEM_JSON, "content-length": str(len(body)), **problem.headers}
+        head = "".join(f"{name.lower()}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+        if log:
+            self.logger.warning("Refused a request: %s", problem.detail)
+        self.transport.write(STATUS_LINE[problem.status] + head + b"\r\n" + body)
         self.transport.close()
 
 
@@ -132,8 +164,7 @@ class RequestGuard:
     answer: RefusalAnswer
 
     def _too_large(self) -> Problem:
-        detail = f"request bodies are limited to {self.max_bytes} bytes"
-        return Problem(413, "Request body too large", detail, "body", "too_large", _CLOSE)
+        return problem_for(BodyTooLarge("body", f"request bodies are limited to {self.max_bytes} bytes"))
 
     def _host_allowed(self, headers: dict[bytes, bytes]) -> bool:
         host = headers.get(b"host")
@@ -152,8 +183,7 @@ class RequestGuard:
         headers = dict(scope["headers"])
         if not self._host_allowed(headers):
             detail = f"this exporter does not serve that host name; see {flag_of('allowed_hosts')}"
-            problem = Problem(421, "Misdirected request", detail, "Host", "host")
-            await self._refuse(problem, scope, receive, send)
+            await self._refuse(problem_for(HostNotServed("Host", detail)), scope, receive, send)
             return
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
@@ -171,11 +201,11 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except TimeoutError:
-                detail = f"the body did not arrive within {self.read_timeout} s"
-                raise Problem(408, "Request timeout", detail, "body", "timeout", _CLOSE) from None
+                raise problem_for(
+                    BodyTimeout("body", f"the body did not arrive within {self.read_timeout} s")
+                ) from None
             if message["type"] == "http.disconnect":  # nobody is left to answer; no traceback for it either
-                raise Problem(400, "Client disconnected", "the client left before sending the whole body", "body",
-                              "client_disconnected")  # fmt: skip
+                raise problem_for(ClientDisconnected("body", "the client left before sending the whole body"))
             received += len(message.get("body", b""))
             if received > self.max_bytes:
                 raise self._too_large()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Annotated, Any, NamedTuple, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from starlette.concurrency import run_in_threadpool
@@ -24,19 +24,28 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from exporter.errors import InvalidRequest, NotFound, StorageUnavailable, UnsupportedMediaType
-from exporter.exposition import Exposition, accepts_gzip
+from exporter.auth import Credentials
+from exporter.changes import EngineReady, ReadyOutcome
+from exporter.errors import Forbidden, InvalidRequest, NotFound, StorageUnavailable, UnsupportedMediaType
+from exporter.exposition import OPENMETRICS, TEXT, Exposition, accepts_gzip
 from exporter.listing import DeploymentListing
+from exporter.openapi import Endpoint
 from exporter.probe import Prober
 from exporter.probe_targets import MAX_TARGET, Target, TargetForbidden
-from exporter.problems import Problem
+from exporter.problems import Problem, problem_for, problem_response
 from exporter.replicas import DEFAULT_REPLICA, Replica, ReplicaKey
-from exporter.security import Credentials
 from exporter.state import ExporterState
-from exporter.status_page import api_reference, status_page
+from exporter.status_page import StatusPage, api_reference
 from exporter.telemetry import Telemetry
-from exporter.views import encode_view
-from protocol import InvalidPayload, check_engine_index, decode_ready_response, decode_static_labels
+from exporter.views import ReplicaView, encode_view, view
+from protocol import (
+    EngineCoreReadyResponse,
+    InvalidPayload,
+    MalformedPayload,
+    check_engine_index,
+    decode_ready_response,
+    decode_static_labels,
+)
 from protocol.ready_response import JSON, MAX_PARALLEL, MSGPACK
 
 READY_MEDIA_TYPES = {
@@ -50,6 +59,14 @@ LABELS_MEDIA_TYPES = {"application/json": JSON}
 _DEPLOYMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+-]*)*")
 MAX_DEPLOYMENT_NAME = 200
 MAX_PAGE = 1000
+# Most ready responses in one request (an array of one replica's engines): the answer names each refused one.
+MAX_READY_BATCH = 1024
+# The first byte of a msgpack array (fixarray, array 16, array 32); a JSON array starts with ``[``.
+_MSGPACK_ARRAY = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_item_decoders = {
+    MSGPACK: msgspec.msgpack.Decoder(list[msgspec.Raw]),
+    JSON: msgspec.json.Decoder(list[msgspec.Raw]),
+}
 
 ReplicaName = Annotated[
     str,
@@ -145,6 +162,7 @@ class Exporter:
     telemetry: Telemetry
     exposition: Exposition
     listing: DeploymentListing
+    status_page: StatusPage
     telemetry_path: str
     clock: Callable[[], float]
     # Several worker processes share the store: a read first loads what the others committed.
@@ -153,6 +171,8 @@ class Exporter:
 
 
 Q = TypeVar("Q", bound=msgspec.Struct)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _exporter(request: Request) -> Exporter:
@@ -201,6 +221,11 @@ def _json(body: bytes, status: int = 200) -> Response:
     return Response(body, status, media_type="application/json")
 
 
+async def _shown(replica: Replica) -> Response:
+    """A changed replica's view, encoded in the thread pool: it decodes what each of its engines sent."""
+    return _json(await run_in_threadpool(encode_view, replica))
+
+
 class ChunkedBody(Response):
     """A response sent as several chunks with one ``Content-Length``: large cached parts are never copied."""
 
@@ -237,19 +262,100 @@ def _unknown_deployment(name: str) -> NotFound:
 
 
 async def post_ready(request: Request) -> Response:
-    """Ingest one engine's ready response."""
+    """Ingest one engine's ready response, or an array of one replica's engines' responses in one commit."""
     exporter = _exporter(request)
     exporter.credentials.require_ingest(request)
     query = _query(request, ReadyQuery)
     key = (_deployment(request), query.replica)
     wire_format = _wire_format(request, READY_MEDIA_TYPES)
     payload = await request.body()
+    if _is_array(payload, wire_format):
+        if query.engine is not None:
+            raise InvalidRequest("query.engine", "in an array each ready response's data_parallel_rank is its engine")
+        return await _post_ready_many(request, exporter, key, _items(payload, wire_format), wire_format, query)
     response = decode_ready_response(payload, wire_format)
-    rank = response.data_parallel_rank
-    index = query.engine if query.engine is not None else rank if isinstance(rank, int) else 0
-    check_engine_index(index, response)
+    index = _engine(query.engine, response)
     change = exporter.state.apply_ready(key, index, response, payload, wire_format, query.heartbeat)
-    return _json(encode_view(await _committed(change)))
+    return await _shown(await _committed(change))
+
+
+def _engine(given: int | None, response: EngineCoreReadyResponse) -> int:
+    """The engine index of a response: ``?engine=``, else its ``data_parallel_rank``, else 0; checked against it."""
+    rank = response.data_parallel_rank
+    index = given if given is not None else rank if isinstance(rank, int) else 0
+    check_engine_index(index, response)
+    return index
+
+
+def _is_array(payload: bytes, wire_format: str) -> bool:
+    if wire_format == MSGPACK:
+        return payload[:1] != b"" and payload[0] in _MSGPACK_ARRAY
+    return payload.lstrip(b" \t\r\n")[:1] == b"["
+
+
+def _items(payload: bytes, wire_format: str) -> list[bytes]:
+    """The ready responses of an array, each as its own bytes (checked one by one afterwards)."""
+    try:
+        items = _item_decoders[wire_format].decode(payload)
+    except msgspec.DecodeError as error:
+        raise InvalidPayload.from_msgspec(error) from None
+    except RecursionError:
+        raise MalformedPayload("$", "nested too deeply") from None
+    if not 1 <= len(items) <= MAX_READY_BATCH:
+        raise InvalidPayload("$", f"an array holds 1 to {MAX_READY_BATCH} ready responses, not {len(items)}")
+    return [bytes(item) for item in items]
+
+
+class ReadyManyAnswer(msgspec.Struct):
+    """The answer to several ready responses of which some were taken: the replica as committed, and each
+    refused response's problem, with its ``index`` in the array."""
+
+    replica: ReplicaView
+    refused: list[dict[str, Any]]
+
+
+async def _post_ready_many(
+    request: Request, exporter: Exporter, key: ReplicaKey, items: list[bytes], wire_format: str, query: ReadyQuery
+) -> Response:
+    """Each response checked alone, the accepted ones committed together; a refused one is named by its ``index``.
+
+    Some taken: 200 with the replica and the refusals. None taken: the first refusal's problem, with all of them.
+    """
+    reports, refused, places = [], {}, {}
+    for index, item in enumerate(items):
+        try:
+            response = decode_ready_response(item, wire_format)
+            report = EngineReady(_engine(None, response), response, item, wire_format)
+        except InvalidPayload as error:
+            refused[index] = error
+            continue
+        reports.append(report)
+        places[report.engine] = index
+    outcome = ReadyOutcome(None, {})
+    if reports:
+        outcome = await _committed(exporter.state.apply_ready_many(key, reports, query.heartbeat))
+    refused.update((places[engine], error) for engine, error in outcome.refused.items())
+    problems = [_item_problem(request, index, error) for index, error in sorted(refused.items())]
+    for problem in problems:
+        exporter.telemetry.reject(problem["reason"])
+        del problem["reason"]
+    if len(refused) < len(items) and outcome.replica is not None:
+        return _json(msgspec.json.encode(ReadyManyAnswer(view(outcome.replica), problems)))
+    first = problems[0]
+    body = msgspec.json.encode(
+        {**{name: value for name, value in first.items() if name != "index"}, "refused": problems}
+    )
+    return Response(body, first["status"], media_type="application/problem+json")
+
+
+def _item_problem(request: Request, index: int, error: Exception) -> dict[str, Any]:
+    """The problem of the ``index``-th response of an array, its field as a path into the array."""
+    problem = problem_for(error)
+    field = problem.field
+    if field is not None and field.startswith("$"):
+        field = f"$[{index}]{field[1:]}"
+    named = Problem(problem.status, problem.title, problem.detail, field, problem.reason)
+    return {**msgspec.json.decode(problem_response(request, named).body), "index": index, "reason": problem.reason}
 
 
 async def put_cache_config(request: Request) -> Response:
@@ -260,7 +366,7 @@ async def put_cache_config(request: Request) -> Response:
     key = (_deployment(request), query.replica)
     _wire_format(request, LABELS_MEDIA_TYPES)
     labels = decode_static_labels(await request.body())
-    return _json(encode_view(await _committed(exporter.state.set_static_labels(key, labels, query.heartbeat))))
+    return await _shown(await _committed(exporter.state.set_static_labels(key, labels, query.heartbeat)))
 
 
 async def post_heartbeat(request: Request) -> Response:
@@ -278,9 +384,10 @@ async def list_deployments(request: Request) -> Response:
     query = _query(request, ListQuery)
     listing = exporter.listing
     if query.deployment is not None:  # at most --limits.replicas-per-deployment of them, each encoded once
-        return ChunkedBody([listing.replicas_of(query.deployment)], "application/json", {})
+        part = await _off_the_loop(listing, listing.replicas_of, query.deployment)
+        return ChunkedBody([part], "application/json", {})
     limit = MAX_PAGE if query.after is not None and query.limit is None else query.limit
-    if listing.is_fresh(whole=limit is None):
+    if listing.is_fresh():
         chunks, last = listing.page(query.after, limit)
     else:
         chunks, last = await run_in_threadpool(listing.page, query.after, limit)
@@ -294,7 +401,15 @@ async def get_deployment(request: Request) -> Response:
     """The synced state of one replica of a deployment."""
     exporter = await _current(request)
     key = (request.path_params["deployment"], _query(request, ReplicaQuery).replica)
-    return _json(encode_view(_found(exporter.state, key)))
+    part = await _off_the_loop(exporter.listing, exporter.listing.replica, key)
+    if part is None:  # no such replica (NotFound), or one that came after the listing's version
+        return await _shown(_found(exporter.state, key))
+    return ChunkedBody([part], "application/json", {})
+
+
+async def _off_the_loop(listing: DeploymentListing, read: Callable[[T], R], argument: T) -> R:
+    """A read of the listing: at once when it is of the current state, else in the thread pool (it encodes)."""
+    return read(argument) if listing.is_fresh() else await run_in_threadpool(read, argument)
 
 
 def _found(state: ExporterState, key: ReplicaKey) -> Replica:
@@ -316,7 +431,7 @@ async def delete_engine(request: Request) -> Response:
     result = await _committed(exporter.state.delete_engine((deployment, replica), engine))
     if result is None:
         raise NotFound("engine", f"replica {replica!r} of {deployment!r} has no engine {engine}")
-    return _json(encode_view(result))
+    return await _shown(result)
 
 
 async def delete_deployment(request: Request) -> Response:
@@ -378,7 +493,7 @@ async def get_probe(request: Request) -> Response:
     try:
         outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)))
     except TargetForbidden as error:
-        raise Problem(403, "Forbidden", str(error), "query.target", "forbidden") from None
+        raise Forbidden("query.target", str(error)) from None
     if query.debug:
         return PlainTextResponse(outcome.debug_text())
     body, content_type = outcome.exposition(request.headers.get("accept", ""))
@@ -386,10 +501,12 @@ async def get_probe(request: Request) -> Response:
 
 
 async def healthy(request: Request) -> Response:
+    """Liveness: 200 while the process serves HTTP (for probes; no credentials needed)."""
     return PlainTextResponse("Healthy.\n")
 
 
 async def ready(request: Request) -> Response:
+    """Readiness: 200 while the store commits, else 503 naming why (for probes; no credentials needed)."""
     error = _exporter(request).state.storage_error
     if error is not None:
         return PlainTextResponse(f"Not ready: storage failing: {error}\n", 503)
@@ -399,8 +516,10 @@ async def ready(request: Request) -> Response:
 async def landing(request: Request) -> Response:
     """The status page; it shows the deployments, so it needs what reading the JSON state needs."""
     exporter = await _current(request)
-    state = exporter.state
-    return HTMLResponse(status_page(state.snapshot(), exporter.telemetry_path, exporter.clock(), state.storage_error))
+    page = exporter.status_page.fresh()
+    if page is None:
+        page = await run_in_threadpool(exporter.status_page.current)
+    return HTMLResponse(page)
 
 
 async def docs(request: Request) -> Response:
@@ -408,20 +527,10 @@ async def docs(request: Request) -> Response:
     return HTMLResponse(api_reference(request.app.openapi()))
 
 
-class Endpoint(NamedTuple):
-    """A route, and what the OpenAPI document says of it."""
-
-    path: str
-    methods: tuple[str, ...]
-    handler: Callable[[Request], Awaitable[Response]]
-    query: type[msgspec.Struct] | None = None
-    body: tuple[str, ...] = ()
-    status: int = 200
-    documented: bool = True
-
-
 DEPLOYMENT = "/api/v1/deployments/{deployment:name}"
 # In matching order: a deployment name may hold slashes, so its longer paths come first.
+# What /metrics and /probe answer, negotiated by Accept (exporter/exposition.py).
+EXPOSITION_MEDIA_TYPES = (TEXT.content_type, OPENMETRICS.content_type)
 ENDPOINTS = (
     Endpoint("/api/v1/ready", ("POST",), post_ready, ReadyQuery, tuple(READY_MEDIA_TYPES)),
     Endpoint(f"{DEPLOYMENT}/ready", ("POST",), post_ready, ReadyQuery, tuple(READY_MEDIA_TYPES)),
@@ -431,9 +540,9 @@ ENDPOINTS = (
     Endpoint("/api/v1/deployments", ("GET",), list_deployments, ListQuery),
     Endpoint(DEPLOYMENT, ("GET",), get_deployment, ReplicaQuery),
     Endpoint(DEPLOYMENT, ("DELETE",), delete_deployment, GoodbyeQuery, status=204),
-    Endpoint("/probe", ("GET",), get_probe, ProbeQuery),
-    Endpoint("/-/healthy", ("GET",), healthy, documented=False),
-    Endpoint("/-/ready", ("GET",), ready, documented=False),
+    Endpoint("/probe", ("GET",), get_probe, ProbeQuery, answers=(*EXPOSITION_MEDIA_TYPES, "text/plain")),
+    Endpoint("/-/healthy", ("GET",), healthy, answers=("text/plain",)),
+    Endpoint("/-/ready", ("GET",), ready, answers=("text/plain",)),
     Endpoint("/", ("GET",), landing, documented=False),
     Endpoint("/docs", ("GET",), docs, documented=False),
 )

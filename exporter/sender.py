@@ -3,7 +3,8 @@
 It knows the API's paths and queries (ready responses, cache configs, heartbeats, goodbyes), the content
 type of each wire format and the bearer token, sends one request with a timeout and says what came of it:
 ``Accepted`` with the exporter's JSON answer, ``Refused`` with the status and the problem's ``detail`` and
-``field``, or ``Unreachable`` with the reason. What to do next (print, retry, warn) is the caller's.
+``field``, or ``Unreachable`` with the reason. A request of several engines' ready responses names each one
+it refused (``item_refusals``). What to do next (print, retry, warn) is the caller's.
 
 Imports only the standard library: it runs inside vLLM's frontend.
 """
@@ -16,7 +17,8 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,10 @@ CONTENT_TYPES = {"json": "application/json", "msgpack": "application/vnd.msgpack
 # RFC 7230 visible characters: anything else could break the header (and land in an error message).
 _BEARER_TOKEN = re.compile(r"[!-~]+")
 _URL_SEPARATORS = re.compile(r"[\s,]+")
-# How much of a refusal's detail a message carries, and how much of its body is read.
+# How much of a refusal's detail a message carries, and how much of its body is read (one problem per engine
+# of a batch refused whole).
 _DETAIL_LENGTH = 200
-_PROBLEM_BYTES = 4096
+_PROBLEM_BYTES = 1 << 16
 
 
 class TokenError(ValueError):
@@ -56,11 +59,13 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Refused:
-    """An HTTP error answer: ``detail`` and ``field`` come from the exporter's problem document."""
+    """An HTTP error answer: ``detail`` and ``field`` come from the exporter's problem document; ``items``, for a
+    request of several ready responses none of which was taken, each one's refusal by its place in the request."""
 
     status: int
     detail: str
     field: str | None
+    items: dict[int, Refused] = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
         return (
@@ -116,6 +121,26 @@ def ready_call(
     replica promises heartbeats at that interval."""
     query = _query(replica=replica, engine=engine, heartbeat=heartbeat)
     return Call("POST", f"{_deployment_path(deployment)}/ready?{query}", body, CONTENT_TYPES[wire_format])
+
+
+def ready_batch_call(
+    deployment: str, payloads: Sequence[bytes], replica: str, *, heartbeat: float | None = None
+) -> Call:
+    """Ingest several engines' msgpack ready responses of one replica in one request (one commit).
+
+    The body is a msgpack array of the responses, each exactly as its engine encoded it.
+    """
+    query = _query(replica=replica, heartbeat=heartbeat)
+    body = _msgpack_array_header(len(payloads)) + b"".join(payloads)
+    return Call("POST", f"{_deployment_path(deployment)}/ready?{query}", body, CONTENT_TYPES["msgpack"])
+
+
+def _msgpack_array_header(length: int) -> bytes:
+    if length < 16:
+        return bytes([0x90 | length])
+    if length < 1 << 16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
 
 
 def cache_config_call(deployment: str, labels: dict[str, str], replica: str, *, heartbeat: float | None = None) -> Call:
@@ -182,15 +207,31 @@ def send(base_url: str, call: Call, timeout: float, *, authorization: str | None
 
 
 def _refusal(status: int, body: bytes) -> Refused:
-    """The problem document's ``detail`` and ``field``; any other body is the detail as it is."""
+    """The problem document's ``detail``, ``field`` and refused items; any other body is the detail as it is."""
     try:
         problem = json.loads(body)
     except ValueError:
         problem = None
     if not isinstance(problem, dict):
         return Refused(status, _excerpt(body), None)
+    return _problem(status, problem, item_refusals(problem.get("refused")))
+
+
+def _problem(status: int, problem: dict[str, Any], items: dict[int, Refused]) -> Refused:
     field_name = problem.get("field")
-    return Refused(status, str(problem.get("detail") or "")[:_DETAIL_LENGTH], str(field_name) if field_name else None)
+    detail = str(problem.get("detail") or "")[:_DETAIL_LENGTH]
+    return Refused(status, detail, str(field_name) if field_name else None, items)
+
+
+def item_refusals(refused: object) -> dict[int, Refused]:
+    """The ``refused`` list of an answer to several ready responses: each refusal by its place in the request."""
+    if not isinstance(refused, list):
+        return {}
+    return {
+        item["index"]: _problem(item["status"], item, {})
+        for item in refused
+        if isinstance(item, dict) and isinstance(item.get("index"), int) and isinstance(item.get("status"), int)
+    }
 
 
 def _excerpt(body: bytes) -> str:

@@ -12,10 +12,12 @@ them per replica.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from exporter.replicas import Replica
-from protocol import KVCacheGroups
+from protocol import KVCacheGroups, releases
 
 Labels = tuple[tuple[str, str], ...]
 Sample = tuple[Labels, float]
@@ -90,22 +92,76 @@ HEARTBEAT = Family(
     "Seconds between the heartbeats the replica's sender promised; it expires after missing several of them. "
     "Absent for one-off pushes, which never expire.",
 )
+# What a heartbeat changes: the last families, so the others' lines can be kept across heartbeats.
+LIVENESS = (SEEN, HEARTBEAT)
 FAMILIES = (
     INFO, *ENGINE_GAUGES, SOURCE, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED, DISTINCT, PARALLEL,
-    SEEN, HEARTBEAT,
+    *LIVENESS,
 )  # fmt: skip
+# Who a series belongs to: on every series, never chosen away (without them two engines' series would collide).
+IDENTITY = ("deployment", "replica", "engine")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
-def replica_samples(replica: Replica) -> tuple[list[Sample], ...]:
-    """One replica's samples, a list per family of ``FAMILIES`` (in that order)."""
+class LabelChoiceError(ValueError):
+    """A label list that cannot work; ``which`` is the list: ``allow``, ``deny`` or ``both``."""
+
+    def __init__(self, which: str, reason: str) -> None:
+        super().__init__(reason)
+        self.which = which
+
+
+@dataclass(frozen=True)
+class InfoLabels:
+    """Which of vLLM's labels ``cache_config_info`` carries (``--metric.labels-allowlist``/``-denylist``).
+
+    Hosted backends refuse series with many label names (Grafana Mimir and Cortex: more than 30 by default), and
+    ``cache_config_info`` has 39 in vLLM 0.34. ``allow`` None keeps every label; ``deny`` drops labels. The
+    identity labels are always kept; the numeric gauges are never affected.
+    """
+
+    allow: frozenset[str] | None = None
+    deny: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, allow: Collection[str], deny: Collection[str]) -> InfoLabels:
+        """From the two lists (empty: not given); raises ``LabelChoiceError`` naming what cannot work."""
+        if allow and deny:
+            raise LabelChoiceError("both", "the allowlist and the denylist exclude each other: give one")
+        for which, names in (("allow", allow), ("deny", deny)):
+            for name in names:
+                if not _LABEL_NAME.fullmatch(name):
+                    raise LabelChoiceError(which, f"{name!r} is not a label name")
+        kept = sorted(set(deny) & set(IDENTITY))
+        if kept:
+            raise LabelChoiceError("deny", f"{', '.join(kept)} identify each series and cannot be dropped")
+        return cls(frozenset(allow) - set(IDENTITY) if allow else None, frozenset(deny))
+
+    def keeps(self, name: str) -> bool:
+        return (self.allow is None or name in self.allow) and name not in self.deny
+
+    def select(self, labels: Mapping[str, str]) -> Labels:
+        """The labels kept, in the order of the sending vLLM release."""
+        return tuple((name, value) for name, value in labels.items() if self.keeps(name))
+
+    def unknown(self) -> list[str]:
+        """Names in the lists that no vLLM release of the table has: a typo, or a label of a newer vLLM."""
+        known = {label.name for release in releases() for label in release.cache_config.labels}
+        return sorted((self.allow or frozenset()) - known | self.deny - known)
+
+
+EVERY_LABEL = InfoLabels()
+
+
+def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> tuple[list[Sample], ...]:
+    """One replica's samples, a list per family of ``FAMILIES`` (in that order); ``cache_config_info`` carries the
+    labels ``info_labels`` keeps."""
     samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
     identity: Labels = (("deployment", replica.deployment), ("replica", replica.name))
-    samples[SEEN].append((identity, replica.last_seen))
-    if replica.heartbeat_seconds is not None:
-        samples[HEARTBEAT].append((identity, replica.heartbeat_seconds))
+    samples[SEEN], samples[HEARTBEAT] = liveness_samples(replica)
     if replica.engines:
         synced = replica.synced
-        info = tuple(synced.labels.items())
+        info = info_labels.select(synced.labels)
         for engine in sorted(replica.engines):
             engine_identity = (*identity, ("engine", str(engine)))
             samples[INFO].append(((*engine_identity, *info), 1.0))
@@ -124,6 +180,13 @@ def replica_samples(replica: Replica) -> tuple[list[Sample], ...]:
         if synced.data_parallel_size is not None:
             samples[PARALLEL].append((identity, synced.data_parallel_size))
     return tuple(samples[family] for family in FAMILIES)
+
+
+def liveness_samples(replica: Replica) -> tuple[list[Sample], list[Sample]]:
+    """The samples of the ``LIVENESS`` families: all that a heartbeat changes."""
+    identity: Labels = (("deployment", replica.deployment), ("replica", replica.name))
+    heartbeat = [(identity, replica.heartbeat_seconds)] if replica.heartbeat_seconds is not None else []
+    return [(identity, replica.last_seen)], heartbeat
 
 
 def _group_samples(samples: dict[Family, list[Sample]], engine_identity: Labels, groups: KVCacheGroups) -> None:

@@ -22,21 +22,23 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from exporter import __version__
+from exporter.auth import Credentials
 from exporter.errors import Refused, StorageUnavailable
 from exporter.exposition import Exposition, ReplicaLines
 from exporter.listing import DeploymentListing
-from exporter.openapi import openapi_document
+from exporter.openapi import Endpoint, openapi_document
 from exporter.probe import Prober
 from exporter.problems import Problem, problem_for, problem_response
 from exporter.replicas import Replica
 from exporter.request_guard import RequestGuard
-from exporter.routes import ENDPOINTS, Exporter, get_metrics, is_ingest
-from exporter.security import Credentials, ResponseHeaders
+from exporter.routes import ENDPOINTS, EXPOSITION_MEDIA_TYPES, Exporter, get_metrics, is_ingest
 from exporter.settings import Settings
 from exporter.state import ExporterState
+from exporter.status_page import StatusPage
 from exporter.storage import SqliteStore
 from exporter.telemetry import Telemetry
 from exporter.views import encode_view
+from exporter.web_config import ResponseHeaders
 from protocol import InvalidPayload
 
 
@@ -58,7 +60,7 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     credentials = Credentials.from_settings(settings)
     store = SqliteStore(settings.storage_path)
-    lines = ReplicaLines(settings.metric_prefix)
+    lines = ReplicaLines(settings.metric_prefix, settings.info_labels())
 
     def storage_healthy() -> bool:
         return state.storage_error is None
@@ -71,8 +73,9 @@ def create_app(
     telemetry = Telemetry(registry, storage_healthy)
     base_labels = settings.base_labels()
     state = ExporterState(
-        store, base_labels, clock, settings.limits(), settings.missed_heartbeats, measure, telemetry.committed
-    )
+        store, base_labels, clock, settings.limits(), settings.missed_heartbeats, measure, telemetry.committed,
+        shared_store=settings.workers > 1,
+    )  # fmt: skip
     registry.register(credentials)  # the reload state of the access files
     exposition = Exposition(state, lines, registry, telemetry)
     listing = DeploymentListing(state, encode_view)
@@ -86,11 +89,14 @@ def create_app(
 
     # /docs is rendered here (exporter/status_page.py): Swagger UI would load its scripts from a CDN.
     app = FastAPI(title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    document = openapi_document(app.title, app.version, ENDPOINTS)
+    metrics = Endpoint(settings.telemetry_path, ("GET",), get_metrics, answers=EXPOSITION_MEDIA_TYPES)
+    document = openapi_document(app.title, app.version, (*ENDPOINTS, metrics))
     app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+    status = StatusPage(state, settings.telemetry_path, clock)
     app.state.exporter = Exporter(
-        state, credentials, telemetry, exposition, listing, settings.telemetry_path, clock, settings.workers > 1, prober
-    )
+        state, credentials, telemetry, exposition, listing, status, settings.telemetry_path, clock,
+        settings.workers > 1, prober,
+    )  # fmt: skip
     for endpoint in ENDPOINTS:
         app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
     app.add_route(settings.telemetry_path, get_metrics, ["GET"], include_in_schema=False)
@@ -112,7 +118,7 @@ def create_app(
         allowed_hosts=None if settings.allowed_hosts is None else frozenset(settings.allowed_hosts),
         answer=lambda scope, problem: answer(scope, Request(scope), problem),
     )
-    app.add_middleware(ResponseHeaders, credentials=credentials)
+    app.add_middleware(ResponseHeaders, web_config=credentials.web_config)
     return app
 
 

@@ -25,6 +25,7 @@ import msgspec
 
 from exporter.limits import Limits
 from exporter.probe_targets import AllowList
+from exporter.series import InfoLabels, LabelChoiceError
 from protocol import InvalidPayload, decode_static_labels
 
 # 9100-9999, Prometheus' exporter range, is fully allocated; see README "Default port".
@@ -251,6 +252,22 @@ class Settings:
     metric_prefix: str = _setting(
         "", "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)"
     )
+    # kube-state-metrics' --metric-labels-allowlist, for the one metric that has labels to choose.
+    metric_labels_allowlist: tuple[str, ...] = _setting(
+        (),
+        "--metric.labels-allowlist",
+        "comma-separated vLLM labels cache_config_info keeps (deployment, replica and engine always stay); "
+        "empty: every label",
+        flag_default="",
+        parse=_entries,
+    )
+    metric_labels_denylist: tuple[str, ...] = _setting(
+        (),
+        "--metric.labels-denylist",
+        "comma-separated vLLM labels cache_config_info drops; excludes --metric.labels-allowlist",
+        flag_default="",
+        parse=_entries,
+    )
     log_level: str = _setting("info", "--log.level", "log level", choices=LOG_LEVELS)
     # /probe (exporter/probe.py): off until targets are allowed, so that the exporter is nobody's proxy.
     probe_allowed_targets: tuple[str, ...] = _setting(
@@ -303,6 +320,7 @@ class Settings:
                 f"{flag_of('telemetry_path')} {self.telemetry_path!r} must start with / (not /api/ or /-/) "
                 "and cannot be /probe"
             )
+        self.info_labels()
         for name in _numbers():
             value = getattr(self, name)
             if value <= 0:
@@ -351,6 +369,15 @@ class Settings:
                 f"{flag_of('probe_bearer_token_file')} and {flag_of('probe_basic_auth_password_file')} "
                 "exclude each other"
             )
+
+    def info_labels(self) -> InfoLabels:
+        """The labels ``cache_config_info`` keeps, of ``--metric.labels-allowlist`` or ``--metric.labels-denylist``."""
+        try:
+            return InfoLabels.parse(self.metric_labels_allowlist, self.metric_labels_denylist)
+        except LabelChoiceError as error:
+            allow, deny = flag_of("metric_labels_allowlist"), flag_of("metric_labels_denylist")
+            flag = {"allow": allow, "deny": deny}.get(error.which, f"{allow} and {deny}")
+            raise SettingsError(f"{flag}: {error}") from None
 
     def limits(self) -> Limits:
         """The cardinality caps of ``--limits.*``."""

@@ -1,91 +1,40 @@
-"""The exporter's rules for changing its state: what each request does to the replicas, and expiry.
+"""The exporter's state: its replicas, changed only through the writer by the rules of exporter/changes.py, read as
+immutable snapshots.
 
-Every change is a function run by the writer thread (``exporter/writer.py``)
-on a batch: it checks the limits, builds the new replica (the sync may refuse
-it) and stages the writes that store it. Replicas that promised heartbeats
-expire after missing ``missed_heartbeats`` of them; the others stay until
-deleted.
+Each method submits one change function (with this state's ``Rules``) to the
+writer thread and returns the future of its result.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from types import MappingProxyType
 from typing import Generic, TypeVar
 
 import msgspec
 
-from exporter.errors import StorageUnavailable, UnknownReplica
+from exporter import changes
+from exporter.changes import EngineReady, Rules
+from exporter.errors import StorageUnavailable
 from exporter.limits import ByteBudget, Limits
-from exporter.replicas import (
-    EngineReport,
-    Replica,
-    ReplicaKey,
-    build_replica,
-    restored,
-    stored_engine,
-    stored_replica,
-)
+from exporter.replica_map import ReplicaMap
+from exporter.replicas import Replica, ReplicaKey, restored
 from exporter.storage import StorageError, Store
 from exporter.writer import Batch, Replicas, Writer
-from protocol import EngineCoreReadyResponse, InvalidPayload, is_set
-
-log = logging.getLogger("cache_config_exporter.state")
-
-
-def _promised(current: Replica | None, heartbeat_seconds: float | None) -> float | None:
-    """The heartbeat interval a change promises, else the one the replica promised before."""
-    if heartbeat_seconds is not None or current is None:
-        return heartbeat_seconds
-    return current.heartbeat_seconds
-
-
-def _save(replica: Replica) -> Callable[[Store], None]:
-    stored = stored_replica(replica)
-    return lambda store: store.save_replica(stored)
-
-
-class Expiry:
-    """The writer's housekeeping: replicas whose heartbeats stopped are removed.
-
-    A replica gets a full expiry period from start-up: it cannot have sent heartbeats to a stopped exporter.
-    """
-
-    def __init__(self, clock: Callable[[], float], missed_heartbeats: int) -> None:
-        self._clock = clock
-        self._missed_heartbeats = missed_heartbeats
-        self._started = clock()
-
-    def _deadline(self, replica: Replica) -> float | None:
-        if replica.heartbeat_seconds is None:
-            return None
-        return max(replica.last_seen, self._started) + replica.heartbeat_seconds * self._missed_heartbeats
-
-    def due(self, replicas: Replicas) -> bool:
-        now = self._clock()
-        return any(now > deadline for deadline in map(self._deadline, replicas.values()) if deadline is not None)
-
-    def run(self, batch: Batch) -> None:
-        """Stage the removal of every replica whose heartbeats stopped."""
-        now = self._clock()
-        for key, replica in batch.current.items():
-            deadline = self._deadline(replica)
-            if key in batch.changed or deadline is None or now <= deadline:
-                continue
-            log.warning("replica %r of %r expired: no heartbeat for %.0f s", key[1], key[0], now - replica.last_seen)
-            batch.stage(key, None, lambda store, key=key: store.delete_replica(*key))
-            batch.counts["expired"] += 1
+from protocol import EngineCoreReadyResponse, InvalidPayload
 
 
 class ExporterState:
     """All replicas: changed through the writer, read as immutable snapshots.
 
-    ``measure`` counts a replica's bytes for ``limits.bytes``; ``committed`` hears what each commit
-    counted (``"accepted"`` ready responses, ``"expired"`` replicas).
+    ``clock`` gives Unix seconds (what is shown and stored), ``monotonic`` what expiry counts on; ``measure``
+    counts a replica's bytes for ``limits.bytes``; ``committed`` hears what each commit counted (``"accepted"``
+    ready responses, ``"expired"`` replicas). ``shared_store``: other processes write the same store (``serve
+    --web.workers N``), so heartbeats are committed rather than kept in memory until a checkpoint.
     """
 
     def __init__(
@@ -97,18 +46,25 @@ class ExporterState:
         missed_heartbeats: int = 3,
         measure: Callable[[Replica], int] | None = None,
         committed: Callable[[Counter[str]], None] = lambda counts: None,
+        monotonic: Callable[[], float] = time.monotonic,
+        shared_store: bool = False,
     ) -> None:
-        self._base_labels = dict(base_labels)
-        self._clock = clock
-        self._limits = limits or Limits()
-        self._budget = ByteBudget(self._limits.bytes, measure) if self._limits.bytes and measure else None
+        limits = limits or Limits()
+        budget = ByteBudget(limits.bytes, measure) if limits.bytes and measure else None
+        self._rules = Rules(dict(base_labels), limits, clock, monotonic, budget, missed_heartbeats, shared_store)
+        started = monotonic()
 
         def load() -> Replicas:
-            stored = store.load()
-            return MappingProxyType({(one.deployment, one.replica): restored(one, self._base_labels) for one in stored})
+            wall, now = clock(), monotonic()
+            return ReplicaMap.of(
+                restored(one, self._rules.base_labels, changes.seen_at_load(one.last_seen, wall, now, started))
+                for one in store.load()
+            )
 
         try:
-            self._writer = Writer(store, load, Expiry(clock, missed_heartbeats), committed)
+            self._writer = Writer(
+                store, load, changes.Expiry(self._rules), committed, budget.measure if budget else None
+            )
         except (StorageUnavailable, InvalidPayload, msgspec.DecodeError) as error:
             raise StorageError(f"cannot load storage {store.path}: {error}") from None
 
@@ -136,7 +92,7 @@ class ExporterState:
         return self._writer.refresh()
 
     def close(self) -> None:
-        """Finish every queued change, then stop the writer."""
+        """Finish every queued change, store what heartbeats changed, then stop the writer."""
         self._writer.close()
 
     # Changing ----------------------------------------------------------------
@@ -150,62 +106,39 @@ class ExporterState:
         wire_format: str,
         heartbeat_seconds: float | None = None,
     ) -> Future[object]:
-        """Take one engine's ready response (decoded, and its bytes as received).
+        """Take one engine's ready response (decoded, and its bytes as received); the future's result is the replica.
 
         A new ``instance_id`` drops the replica's previous run's engines, and no other replica's.
         The future fails with ``SyncConflict`` or ``LimitExceeded`` (nothing changed) when
         the change is refused, and with ``StorageUnavailable`` when it cannot be committed.
         """
+        report = EngineReady(engine, response, payload, wire_format)
 
-        def change(batch: Batch) -> Replica:
-            current = self._existing_or_room(batch, key)
-            engines = dict(current.engines) if current else {}
-            instance_id = current.instance_id if current else None
-            restarted = is_set(response.instance_id) and response.instance_id != instance_id
-            if restarted:
-                engines.clear()
-                instance_id = response.instance_id
-            if engine not in engines:
-                self._limits.check_new_engine(key, len(engines))
-            now = self._clock()
-            report = EngineReport(engine, now, response, payload, wire_format)
-            engines[engine] = report
-            static_labels = current.static_labels if current else {}
-            heartbeat = _promised(current, heartbeat_seconds)
-            updated = build_replica(key, instance_id, static_labels, heartbeat, now, engines, self._base_labels)
-            self._check_bytes(batch, key, updated)
-            writes = [_save(updated)]
-            if restarted:
-                writes.append(lambda store: store.delete_engines(*key))
-            stored = stored_engine(report)
-            writes.append(lambda store: store.save_engine(*key, engine, stored))
-            batch.stage(key, updated, *writes)
-            batch.counts["accepted"] += 1
-            return updated
+        def change(batch: Batch) -> Replica | None:
+            outcome = changes.ready(self._rules, batch, key, (report,), heartbeat_seconds)
+            if outcome.refused:
+                raise outcome.refused[engine]
+            return outcome.replica
 
         return self._writer.submit(change)
+
+    def apply_ready_many(
+        self, key: ReplicaKey, reports: Sequence[EngineReady], heartbeat_seconds: float | None = None
+    ) -> Future[object]:
+        """Take several engines' ready responses of one replica in ONE commit; the result is a ``ReadyOutcome``.
+
+        As if ``apply_ready`` were called for each ``(engine, response, payload, wire_format)`` in order (a new
+        ``instance_id`` drops the engines before it; an engine's later response replaces its earlier one), but
+        each is checked alone (caps, byte budget, sync): a refused one is named in ``ReadyOutcome.refused`` and
+        the others go on. The future fails only with ``StorageUnavailable``: then nothing was accepted.
+        """
+        return self._submit(changes.ready, key, tuple(reports), heartbeat_seconds)
 
     def set_static_labels(
         self, key: ReplicaKey, static_labels: Mapping[str, str], heartbeat_seconds: float | None = None
     ) -> Future[object]:
         """Replace a replica's static labels (its frontend's ``metrics_info()``), creating it if needed."""
-
-        def change(batch: Batch) -> Replica:
-            current = self._existing_or_room(batch, key)
-            updated = build_replica(
-                key,
-                current.instance_id if current else None,
-                dict(static_labels),
-                _promised(current, heartbeat_seconds),
-                self._clock(),
-                current.engines if current else {},
-                self._base_labels,
-            )
-            self._check_bytes(batch, key, updated)
-            batch.stage(key, updated, _save(updated))
-            return updated
-
-        return self._writer.submit(change)
+        return self._submit(changes.static_labels, key, static_labels, heartbeat_seconds)
 
     def heartbeat(self, key: ReplicaKey, heartbeat_seconds: float) -> Future[object]:
         """The replica is alive and promises the next heartbeat within ``heartbeat_seconds``.
@@ -213,64 +146,23 @@ class ExporterState:
         The future fails with ``UnknownReplica`` when the exporter does not hold it
         (a new or restarted exporter): the sender then sends its whole state again.
         """
-
-        def change(batch: Batch) -> Replica:
-            current = batch.get(key)
-            if current is None:
-                raise UnknownReplica("replica", f"no replica {key[1]!r} of {key[0]!r}: send its state")
-            updated = msgspec.structs.replace(current, heartbeat_seconds=heartbeat_seconds, last_seen=self._clock())
-            batch.stage(key, updated, _save(updated))
-            return updated
-
-        return self._writer.submit(change)
+        return self._submit(changes.heartbeat, key, heartbeat_seconds, writes=self._rules.store_heartbeats)
 
     def delete_replica(self, key: ReplicaKey) -> Future[object]:
         """Forget a replica (its sender said goodbye); the future's result says whether there was one."""
-
-        def change(batch: Batch) -> bool:
-            if batch.get(key) is None:
-                return False
-            batch.stage(key, None, lambda store: store.delete_replica(*key))
-            return True
-
-        return self._writer.submit(change)
+        return self._writer.submit(functools.partial(changes.goodbye, key=key))
 
     def delete_deployment(self, deployment: str) -> Future[object]:
         """Forget every replica of a deployment; the future's result says whether there was one."""
-
-        def change(batch: Batch) -> bool:
-            keys = [key for key in batch.replicas() if key[0] == deployment]
-            for key in keys:
-                batch.stage(key, None, lambda store, key=key: store.delete_replica(*key))
-            return bool(keys)
-
-        return self._writer.submit(change)
+        return self._writer.submit(functools.partial(changes.delete_deployment, deployment=deployment))
 
     def delete_engine(self, key: ReplicaKey, engine: int) -> Future[object]:
         """Forget one engine; the future's result is the updated replica, or ``None`` if there was no such engine."""
+        return self._submit(changes.delete_engine, key, engine)
 
-        def change(batch: Batch) -> Replica | None:
-            current = batch.get(key)
-            if current is None or engine not in current.engines:
-                return None
-            engines = {index: report for index, report in current.engines.items() if index != engine}
-            updated = build_replica(key, current.instance_id, current.static_labels, current.heartbeat_seconds,
-                                    current.last_seen, engines, self._base_labels)  # fmt: skip
-            batch.stage(key, updated, lambda store: store.delete_engine(*key, engine))
-            return updated
-
-        return self._writer.submit(change)
-
-    def _existing_or_room(self, batch: Batch, key: ReplicaKey) -> Replica | None:
-        """The replica, or ``None`` for a new one once the caps leave room for it."""
-        current = batch.get(key)
-        if current is None:
-            self._limits.check_new_replica(batch, key)
-        return current
-
-    def _check_bytes(self, batch: Batch, key: ReplicaKey, updated: Replica) -> None:
-        if self._budget is not None:
-            self._budget.check(batch, key, updated)
+    def _submit(self, rule: Callable[..., object], *arguments: object, writes: bool = True) -> Future[object]:
+        """Submit ``rule(rules, batch, *arguments)``; ``writes=False`` for a rule that never writes to the store."""
+        return self._writer.submit(lambda batch: rule(self._rules, batch, *arguments), writes)
 
 
 T = TypeVar("T")

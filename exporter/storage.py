@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from exporter.errors import StorageUnavailable
 
@@ -101,6 +101,15 @@ class StoredReplica:
     engines: dict[int, StoredEngine] = field(default_factory=dict)
 
 
+class LastSeen(NamedTuple):
+    """What a heartbeat changes of a replica's row."""
+
+    deployment: str
+    replica: str
+    heartbeat_seconds: float | None
+    last_seen: float
+
+
 class Store(Protocol):
     """What the writer needs of a store. Every failure to read or write is ``StorageUnavailable``."""
 
@@ -112,6 +121,7 @@ class Store(Protocol):
     def load(self) -> list[StoredReplica]: ...
     def save_replica(self, stored: StoredReplica) -> None: ...
     def save_engine(self, deployment: str, replica: str, engine: int, stored: StoredEngine) -> None: ...
+    def save_last_seen(self, rows: Iterable[LastSeen]) -> None: ...
     def delete_engines(self, deployment: str, replica: str) -> None: ...
     def delete_replica(self, deployment: str, replica: str) -> None: ...
     def delete_engine(self, deployment: str, replica: str, engine: int) -> None: ...
@@ -130,6 +140,8 @@ class SqliteStore:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and not path.is_file():  # a device, FIFO or directory: SQLite's error names none
+                raise StorageError(f"cannot open storage {path}: it is not a regular file")
             self._db = sqlite3.connect(
                 path, check_same_thread=False, isolation_level=None, timeout=LOCK_TIMEOUT_SECONDS
             )
@@ -149,7 +161,7 @@ class SqliteStore:
                                 self._db.execute(statement)
                     self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._data_version = self._read_data_version()
-        except (sqlite3.Error, OSError) as error:
+        except (sqlite3.Error, OSError, StorageUnavailable) as error:  # a migration's commit on a full disk too
             hint = "" if os.access(path.parent, os.W_OK) else " (its directory is read-only)"
             raise StorageError(f"cannot open storage {path}: {error}{hint}") from None
 
@@ -241,6 +253,13 @@ class SqliteStore:
             "INSERT OR REPLACE INTO engines (deployment, replica, engine, response, wire_format, received_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (deployment, replica, engine, stored.payload, stored.wire_format, stored.received_at),
+        )
+
+    def save_last_seen(self, rows: Iterable[LastSeen]) -> None:
+        """Update what heartbeats change of existing replicas, many at once (a checkpoint); absent ones stay absent."""
+        self._db.executemany(
+            "UPDATE replicas SET heartbeat_seconds = ?, last_seen = ? WHERE deployment = ? AND replica = ?",
+            ((row.heartbeat_seconds, row.last_seen, row.deployment, row.replica) for row in rows),
         )
 
     def delete_engines(self, deployment: str, replica: str) -> None:

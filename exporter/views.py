@@ -1,11 +1,15 @@
-"""What the JSON API shows of a replica: its synced config, and every key each engine sent."""
+"""What the JSON API shows of a replica: its synced config, and every key each engine sent.
+
+The keys as sent are decoded from the kept bytes only here, to be encoded as JSON at once (a JSON payload is
+embedded as it came): the status page, which does not show them, takes a view without them.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
 from exporter.replicas import Replica
-from protocol import EngineFigures, decode_as_sent
+from protocol import EngineFigures, shown_as_json
 
 
 class EngineView(msgspec.Struct, kw_only=True):
@@ -15,7 +19,8 @@ class EngineView(msgspec.Struct, kw_only=True):
     received_at: float
     wire_format: str
     figures: EngineFigures
-    response: object
+    # Every key the engine sent, as JSON; None in a view without them.
+    response: msgspec.Raw | None
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):
@@ -43,7 +48,8 @@ _OF_REPLICA = ("deployment", "instance_id", "heartbeat_seconds", "last_seen", "s
 _OF_SYNC = ("mamba_cache_mode", "labels", "max_model_len", "dp_stats_address", "data_parallel_size", "distinct_values")
 
 
-def view(replica: Replica) -> ReplicaView:
+def view(replica: Replica, responses: bool = True) -> ReplicaView:
+    """A replica's view; with ``responses``, every key each engine sent (which the status page does not show)."""
     synced = replica.synced
     engines = [
         EngineView(
@@ -51,7 +57,7 @@ def view(replica: Replica) -> ReplicaView:
             received_at=report.received_at,
             wire_format=report.wire_format,
             figures=synced.engines[index],
-            response=decode_as_sent(report.payload, report.wire_format),
+            response=shown_as_json(report.payload, report.wire_format) if responses else None,
         )
         for index, report in sorted(replica.engines.items())
     ]

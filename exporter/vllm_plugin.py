@@ -16,7 +16,9 @@ server is one *replica* of its deployment, named after its host and API port.
 Each thread keeps only what its exporter must end up holding: the newest
 static labels and the newest ready response of each engine of the current run
 (a new ``instance_id`` drops the previous run's). It delivers them, labels
-first, retrying with capped exponential backoff until they are delivered or
+first, the ready responses its engines report within a second of each other
+as one request (a DP=8 server's start is one request and one commit),
+retrying with capped exponential backoff until they are delivered or
 superseded, so an exporter away for any length of time loses nothing and
 memory stays bounded by the number of engines. Once delivered, a small
 heartbeat keeps the replica alive; a heartbeat the exporter does not know
@@ -58,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exporter import sender
-from exporter.plugin_outbox import Attempt, Backoff, Outbox, Update, Verdict
+from exporter.plugin_outbox import Attempt, Backoff, Outbox, Update, Verdict, outcomes_of, verdict_of
 
 URL_VARIABLE = "CACHE_CONFIG_EXPORTER_URL"
 DEPLOYMENT_VARIABLE = "CACHE_CONFIG_EXPORTER_DEPLOYMENT"
@@ -76,6 +78,9 @@ MAX_HEARTBEAT_SECONDS = 86400.0
 # never beyond one heartbeat interval, so that an exporter that is back has the whole state within one interval.
 FIRST_RETRY_SECONDS = 0.5
 MAX_RETRY_SECONDS = 30.0
+# The engines of a data-parallel server report within moments of each other as they start: what they report
+# within this window of the first goes in one request.
+BATCH_WINDOW_SECONDS = 1.0
 # Of the exit finalizers of ``multiprocessing``, which run in its child processes too, the goodbye runs first:
 # it waits at most the timeout, where pools and queues after it may wait for other processes.
 GOODBYE_EXIT_PRIORITY = 100
@@ -259,7 +264,7 @@ class Delivery:
         self._target = target
         self._condition = threading.Condition()
         backoff = Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS, target.heartbeat_seconds)
-        self._outbox = Outbox(target.heartbeat_seconds, backoff)
+        self._outbox = Outbox(target.heartbeat_seconds, backoff, BATCH_WINDOW_SECONDS)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._goodbye = False
@@ -271,7 +276,7 @@ class Delivery:
         with self._condition:
             if self._closed:
                 return
-            self._outbox.offer(update)
+            self._outbox.offer(update, time.monotonic())
             # ``is_alive`` is False in a child forked after the thread started.
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=f"cache-config-exporter {self.url}", daemon=True)
@@ -320,10 +325,21 @@ class Delivery:
 
     def _log(self, attempt: Attempt, outcome: sender.Outcome, verdict: Verdict, failing: bool) -> None:
         """What came of ``attempt`` (``failing`` since an earlier one), in vLLM's log."""
+        # Of several ready responses, the first one not taken says why.
+        outcome = next(
+            (item for item in outcomes_of(attempt, outcome) if verdict_of(attempt, item) is verdict), outcome
+        )
         if verdict is Verdict.LABELS_REFUSED and isinstance(outcome, sender.Refused):
             self._refused(attempt.deployment, outcome)
         elif verdict in (Verdict.RETRY, Verdict.REFUSED):
             self._report(self._described(attempt.call, outcome), first=not failing)
+        elif verdict is Verdict.SPLIT:
+            logger.info(
+                "cache-config-exporter: %s refused %d ready responses in one request (%s); sending one a request",
+                self.url,
+                len(attempt.versions),
+                outcome,
+            )
         else:
             if verdict is Verdict.NOT_HELD:
                 logger.info(

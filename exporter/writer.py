@@ -5,10 +5,19 @@ may refuse itself), writes the accepted ones in ONE transaction (group commit:
 eight clients cost about one fsync), and only after the commit swaps them into
 memory and answers their futures. So memory never shows what was not
 committed, and nothing is acknowledged before it is durable. Readers take the
-current immutable snapshot.
+current immutable snapshot (a ``ReplicaMap``: a commit copies only the shards
+it changed).
 
-Several processes may share one store: each batch first loads what the others
-committed. While the store fails, the writer probes it to notice recovery.
+One exception, by design: what a heartbeat changes ("last seen", the promised
+interval) may be kept in memory only (``Batch.touch``) and is written for all
+such replicas at once by a checkpoint every ``CHECKPOINT_SECONDS`` and when the
+writer stops (docs/RELIABILITY.md, "Heartbeats and the expiry clock").
+
+The limits need running totals (replicas per deployment, deployments, bytes
+per replica); ``Census`` keeps them as commits land, so no change counts the
+fleet. Several processes may share one store: each batch first loads what the
+others committed (and counts it again). While the store fails, the writer
+probes it to notice recovery.
 """
 
 from __future__ import annotations
@@ -18,15 +27,14 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Protocol
 
 from exporter.errors import Refused, StorageUnavailable
+from exporter.replica_map import ReplicaMap
 from exporter.replicas import Replica, ReplicaKey
-from exporter.storage import Store
+from exporter.storage import LastSeen, Store
 from protocol import InvalidPayload
 
 log = logging.getLogger("cache_config_exporter.writer")
@@ -37,38 +45,119 @@ MAX_BATCH = 512
 PROBE_INTERVAL_SECONDS = 0.5
 # How often an idle writer runs its housekeeping (heartbeat expiry): the precision of expiry.
 HOUSEKEEPING_SECONDS = 1.0
+# How often what heartbeats changed in memory is written to the store: what a crash may lose of "last seen".
+CHECKPOINT_SECONDS = 5.0
 
-Replicas = MappingProxyType[ReplicaKey, Replica]
+Replicas = ReplicaMap
 
 
-@dataclass
+class Census:
+    """Running totals of the committed replicas: the names of each deployment's replicas, and each replica's
+    bytes (as ``measure`` counts them) with their sum. Kept by the writer thread alone."""
+
+    def __init__(self, replicas: Mapping[ReplicaKey, Replica], measure: Callable[[Replica], int] | None) -> None:
+        self.members: dict[str, set[str]] = {}
+        self.sizes: dict[ReplicaKey, int] = {}
+        self.bytes = 0
+        for key, replica in replicas.items():
+            self.members.setdefault(key[0], set()).add(key[1])
+            if measure is not None:
+                self.sizes[key] = size = measure(replica)
+                self.bytes += size
+
+    def apply(self, batch: Batch) -> None:
+        """Count a committed batch: each of its changes once."""
+        for key, replica in batch.changed.items():
+            names = self.members.get(key[0])
+            if replica is None:
+                if names is not None:
+                    names.discard(key[1])
+                    if not names:
+                        del self.members[key[0]]
+                self.sizes.pop(key, None)
+            else:
+                if names is None:
+                    self.members[key[0]] = {key[1]}
+                else:
+                    names.add(key[1])
+                if key in batch.sizes:
+                    self.sizes[key] = batch.sizes[key]
+        self.bytes = batch.used_bytes
+
+
 class Batch:
-    """The changes of one transaction: staged replicas, the writes that store them, and what they count."""
+    """The changes of one transaction: staged replicas, the writes that store them, and what they count.
 
-    current: Replicas
-    changed: dict[ReplicaKey, Replica | None] = field(default_factory=dict)
-    writes: list[Callable[[Store], None]] = field(default_factory=list)
-    # Events to count once committed (``"accepted"``, ``"expired"``).
-    counts: Counter[str] = field(default_factory=Counter)
-    # Bytes the staged replicas take, once a change needed to know (see ``ByteBudget``).
-    used_bytes: int | None = None
+    It answers what the limits ask (how many replicas a deployment holds, how many deployments, what a
+    replica takes) from the committed ``Census`` and its own staged changes: never by counting the fleet.
+    """
+
+    def __init__(self, current: Replicas, census: Census) -> None:
+        self.current = current
+        self.census = census
+        self.changed: dict[ReplicaKey, Replica | None] = {}
+        self.writes: list[Callable[[Store], None]] = []
+        # Replicas staged by ``touch``: their last seen is stored by a checkpoint, not by this batch.
+        self.touched: set[ReplicaKey] = set()
+        # Events to count once committed (``"accepted"``, ``"expired"``).
+        self.counts: Counter[str] = Counter()
+        # Bytes of the replicas staged with a size; those staged without keep their committed size.
+        self.sizes: dict[ReplicaKey, int] = {}
+        self.used_bytes = census.bytes
+        self._members: dict[str, int] = {}
+        self._deployments = len(census.members)
 
     def get(self, key: ReplicaKey) -> Replica | None:
         return self.changed[key] if key in self.changed else self.current.get(key)
 
-    def replicas(self) -> set[ReplicaKey]:
-        """Every replica after the staged changes."""
-        keys = set(self.current)
-        for key, replica in self.changed.items():
-            if replica is None:
-                keys.discard(key)
-            else:
-                keys.add(key)
-        return keys
+    def replicas_in(self, deployment: str) -> int:
+        """How many replicas ``deployment`` holds with the staged changes."""
+        committed = len(self.census.members.get(deployment, ()))
+        return committed + self._members.get(deployment, 0)
 
-    def stage(self, key: ReplicaKey, replica: Replica | None, *writes: Callable[[Store], None]) -> None:
+    def deployments(self) -> int:
+        """How many deployments hold a replica with the staged changes."""
+        return self._deployments
+
+    def names(self, deployment: str) -> set[str]:
+        """The names of ``deployment``'s replicas with the staged changes (a scan of this batch's changes only)."""
+        names = set(self.census.members.get(deployment, ()))
+        for key, replica in self.changed.items():
+            if key[0] == deployment:
+                (names.discard if replica is None else names.add)(key[1])
+        return names
+
+    def size(self, key: ReplicaKey) -> int:
+        """What the replica takes, as last measured (0 for none)."""
+        if key in self.sizes:
+            return self.sizes[key]
+        return self.census.sizes.get(key, 0)
+
+    def stage(
+        self, key: ReplicaKey, replica: Replica | None, *writes: Callable[[Store], None], size: int | None = None
+    ) -> None:
+        """Stage ``replica`` (``None``: its removal) with the writes that store it; ``size``, what it takes when
+        measured (a removal takes nothing; without one a replica keeps what it took)."""
+        before = self.get(key)
+        if replica is None:
+            size = 0
+        if size is not None:
+            self.used_bytes += size - self.size(key)
+            self.sizes[key] = size
+        if (before is None) != (replica is None):
+            count = self.replicas_in(key[0])
+            delta = 1 if before is None else -1
+            self._members[key[0]] = self._members.get(key[0], 0) + delta
+            if count == 0 or count + delta == 0:
+                self._deployments += delta
         self.changed[key] = replica
         self.writes.extend(writes)
+
+    def touch(self, key: ReplicaKey, replica: Replica) -> None:
+        """Stage an existing replica of which only what a heartbeat changes changed: kept in memory, stored by the
+        next checkpoint."""
+        self.changed[key] = replica
+        self.touched.add(key)
 
 
 Change = Callable[[Batch], object]
@@ -79,16 +168,19 @@ def _catch_up(batch: Batch) -> None:
 
 
 class Housekeeping(Protocol):
-    """Changes due without a request (heartbeat expiry); asked at most once per ``HOUSEKEEPING_SECONDS``."""
+    """Changes due without a request (heartbeat expiry); asked at most once per ``HOUSEKEEPING_SECONDS``, and told
+    of every commit (``reloaded``: the replicas were loaded again from the store)."""
 
     def due(self, replicas: Replicas) -> bool: ...
     def run(self, batch: Batch) -> None: ...
+    def committed(self, changed: Mapping[ReplicaKey, Replica | None], reloaded: bool) -> None: ...
 
 
 class Writer:
     """Commits changes on its own thread; ``replicas`` is the last committed state.
 
-    ``load`` reads the whole state from the store; ``committed`` hears the counts of each committed batch.
+    ``load`` reads the whole state from the store; ``measure`` what a replica takes for the byte budget (``None``:
+    no budget); ``committed`` hears the counts of each committed batch.
     """
 
     def __init__(
@@ -97,33 +189,42 @@ class Writer:
         load: Callable[[], Replicas],
         housekeeping: Housekeeping,
         committed: Callable[[Counter[str]], None],
+        measure: Callable[[Replica], int] | None = None,
     ) -> None:
         self._store = store
         self._load = load
         self._housekeeping = housekeeping
         self._committed = committed
+        self._measure = measure
         self._next_housekeeping = time.monotonic()
+        self._next_checkpoint = time.monotonic() + CHECKPOINT_SECONDS
         self.replicas: Replicas = load()
+        self._census = Census(self.replicas, measure)
+        # Replicas whose last seen changed in memory since the last checkpoint.
+        self._unsaved: set[ReplicaKey] = set()
         # Bumped whenever what the replicas show may have changed; caches key on it.
         self.version = 0
         self.storage_error: str | None = None
-        self._queue: queue.SimpleQueue[tuple[Change, Future[object]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Change, Future[object], bool] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="cache-config-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, change: Change) -> Future[object]:
-        """Queue a change; its future gets the change's result once committed, or its refusal."""
+    def submit(self, change: Change, writes: bool = True) -> Future[object]:
+        """Queue a change; its future gets the change's result once committed, or its refusal.
+
+        ``writes=False``: the change only reads or touches; a batch of such changes alone takes no write lock.
+        """
         future: Future[object] = Future()
-        self._queue.put((change, future))
+        self._queue.put((change, future, writes))
         return future
 
     def refresh(self) -> Future[object]:
         """Load what other processes committed; a batch of refreshes alone reads in a read transaction,
         so it never waits for another process's write lock."""
-        return self.submit(_catch_up)
+        return self.submit(_catch_up, writes=False)
 
     def close(self) -> None:
-        """Finish every queued change, then stop."""
+        """Finish every queued change, write what heartbeats changed (a checkpoint), then stop."""
         self._queue.put(None)
         self._thread.join()
 
@@ -134,8 +235,9 @@ class Writer:
                 first = self._queue.get(timeout=timeout)
             except queue.Empty:
                 due = self._housekeeping_is_due()
-                if self.storage_error or due:
-                    self._commit([], due)
+                checkpoint = self._checkpoint_is_due()
+                if self.storage_error or due or checkpoint:
+                    self._commit([], due, checkpoint)
                 continue
             jobs = [first]
             while len(jobs) < MAX_BATCH and jobs[-1] is not None:
@@ -144,20 +246,25 @@ class Writer:
                 except queue.Empty:
                     break
             stop = jobs[-1] is None
-            self._commit([job for job in jobs if job is not None], self._housekeeping_is_due())
+            checkpoint = stop or self._checkpoint_is_due()
+            self._commit([job for job in jobs if job is not None], self._housekeeping_is_due(), checkpoint)
             if stop:
                 return
 
-    def _commit(self, jobs: list[tuple[Change, Future[object]]], housekeeping: bool) -> None:
+    def _commit(self, jobs: list[tuple[Change, Future[object], bool]], housekeeping: bool, checkpoint: bool) -> None:
         outcomes: list[tuple[Future[object], object, BaseException | None]] = []
-        writing = housekeeping or any(change is not _catch_up for change, _ in jobs)
+        writing = housekeeping or checkpoint or any(writes for _, _, writes in jobs)
         try:
             with self._store.transaction() if writing else self._store.read_transaction():
-                current = self._load() if self._store.changed_elsewhere() else self.replicas
-                batch = Batch(current)
+                if self._store.changed_elsewhere():
+                    current = self._load()
+                    census = Census(current, self._measure)
+                else:
+                    current, census = self.replicas, self._census
+                batch = Batch(current, census)
                 if housekeeping:
                     self._housekeeping.run(batch)
-                for change, future in jobs:
+                for change, future, _ in jobs:
                     try:
                         outcomes.append((future, change(batch), None))
                     except (InvalidPayload, Refused) as refused:
@@ -167,6 +274,9 @@ class Writer:
                         outcomes.append((future, None, bug))
                 for write in batch.writes:
                     write(self._store)
+                rows = self._last_seen(batch) if checkpoint else []
+                if rows:
+                    self._store.save_last_seen(rows)
         except Exception as error:
             if isinstance(error, StorageUnavailable):
                 if self.storage_error is None:
@@ -177,7 +287,7 @@ class Writer:
             answered = {id(future) for future, _, _ in outcomes}
             for future, _, refused in outcomes:
                 future.set_exception(refused or error)
-            for _, future in jobs:
+            for _, future, _ in jobs:
                 if id(future) not in answered:
                     future.set_exception(error)
             return
@@ -186,14 +296,16 @@ class Writer:
         if self.storage_error is not None and (batch.writes or self._probe()):
             log.warning("storage recovered")
             self.storage_error = None
+        if checkpoint:  # removed replicas leave with it too
+            self._unsaved.clear()
+            self._next_checkpoint = time.monotonic() + CHECKPOINT_SECONDS
+        else:
+            self._unsaved.update(batch.touched)
         if current is not self.replicas or batch.changed:
-            merged = current.copy()  # the underlying dict at C speed; dict(proxy) goes key by key
-            for key, replica in batch.changed.items():
-                if replica is None:
-                    merged.pop(key, None)
-                else:
-                    merged[key] = replica
-            self.replicas = MappingProxyType(merged)
+            census.apply(batch)
+            self._census = census
+            self._housekeeping.committed(batch.changed, reloaded=current is not self.replicas)
+            self.replicas = current.with_changes(batch.changed)
             self.version += 1
         if batch.counts:
             self._committed(batch.counts)
@@ -203,13 +315,27 @@ class Writer:
             else:
                 future.set_exception(refused)
 
+    def _last_seen(self, batch: Batch) -> list[LastSeen]:
+        """The rows of a checkpoint: every replica whose last seen is in memory only, as this batch leaves it."""
+        rows = []
+        for key in self._unsaved | batch.touched:
+            replica = batch.get(key)
+            if replica is not None:
+                rows.append(LastSeen(key[0], key[1], replica.heartbeat_seconds, replica.last_seen))
+        return rows
+
     def _housekeeping_is_due(self) -> bool:
-        """Asked at most once per ``HOUSEKEEPING_SECONDS``: it looks at every replica."""
+        """Asked at most once per ``HOUSEKEEPING_SECONDS``: it may look at every replica."""
         now = time.monotonic()
         if now < self._next_housekeeping:
             return False
         self._next_housekeeping = now + HOUSEKEEPING_SECONDS
         return self._housekeeping.due(self.replicas)
+
+    def _checkpoint_is_due(self) -> bool:
+        """Due every ``CHECKPOINT_SECONDS`` while there is something to write, but not while the store fails:
+        heartbeats need no disk, and the first commit after the recovery writes them."""
+        return self.storage_error is None and bool(self._unsaved) and time.monotonic() >= self._next_checkpoint
 
     def _probe(self) -> bool:
         """Commit one probe write; True when it went through."""

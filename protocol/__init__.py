@@ -10,10 +10,10 @@ from protocol.ready_response import (
     EngineCoreReadyResponse,
     KVCacheGroup,
     KVCacheGroups,
-    decode_as_sent,
     decode_ready_response,
     encode_ready_response,
     is_set,
+    shown_as_json,
     spec_kind,
 )
 from protocol.releases import Release, release_of, releases
@@ -33,13 +33,13 @@ __all__ = [
     "SyncConflict",
     "SyncedConfig",
     "check_engine_index",
-    "decode_as_sent",
     "decode_ready_response",
     "decode_static_labels",
     "encode_ready_response",
     "is_set",
     "release_of",
     "releases",
+    "shown_as_json",
     "spec_kind",
     "sync",
 ]

@@ -6,7 +6,14 @@ field name, every field present. Only the three fields of 0.20 are required;
 every later field defaults to ``UNSET`` so that a decoded payload tells which
 keys its engine sent (an absent key and an explicit ``None`` mean different
 things to the sync). Unknown keys from newer engines are ignored here; the
-exporter keeps the bytes as received, so nothing is lost.
+exporter keeps the bytes as received, so nothing is lost. The free-form maps
+(``vllm_config``, ``prefix_hash_config``) stay raw, slices of those bytes: the
+sync never reads them, and decoded they can take 70 times their size (a list of
+empty maps), so they are decoded only to be shown.
+
+Whatever an engine sends is shown as JSON, so a value JSON cannot show (a
+msgpack extension, a map key that is an array, ``nil`` or a boolean) is refused,
+under any key, naming its path.
 
 One key is this project's own: ``cache_config_exporter_kv_cache_groups``, the
 engine core's KV-cache groups, which the plugin adds to the response in the
@@ -146,8 +153,8 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
     coord_store_port: Port | UnsetType = UNSET
     coordinator_input_address: Text | UnsetType | None = UNSET
     coordinator_output_address: Text | UnsetType | None = UNSET
-    vllm_config: dict[str, Any] | UnsetType | None = UNSET
-    prefix_hash_config: dict[str, Any] | UnsetType | None = UNSET
+    vllm_config: msgspec.Raw | UnsetType = UNSET
+    prefix_hash_config: msgspec.Raw | UnsetType = UNSET
     cache_config_info: Labels | UnsetType | None = UNSET
     config_hash: Text | UnsetType | None = UNSET
     enable_expert_parallel: bool | UnsetType = UNSET
@@ -179,25 +186,72 @@ _decoders: dict[str, Any] = {
 }
 _raw_decoders: dict[str, Any] = {MSGPACK: msgspec.msgpack.Decoder(), JSON: msgspec.json.Decoder()}
 _encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+# Map keys JSON shows (as strings); msgpack also allows arrays, nil and booleans.
+_SHOWN_KEYS = (str, int, float, bytes)
+
+
+def _not_shown(value: Any) -> tuple[str, str]:
+    """The path of the first value in ``value`` that JSON cannot show, and why (the value is known to have one)."""
+    pending: list[tuple[str, Any]] = [("$", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, bool) or not isinstance(key, _SHOWN_KEYS):
+                    return path, f"a map key of type {type(key).__name__} cannot be shown as JSON"
+                pending.append((f"{path}.{key}", inner))
+        elif isinstance(item, list | tuple):
+            pending.extend((f"{path}[{index}]", inner) for index, inner in enumerate(item))
+        elif isinstance(item, msgspec.msgpack.Ext):
+            return path, f"a msgpack extension (type {item.code}) cannot be shown as JSON"
+    return "$", "it cannot be shown as JSON"
+
+
+_FREE_FORM = ("vllm_config", "prefix_hash_config")
+# The first byte of a map or nil: msgpack's fixmap, map 16, map 32 and nil; JSON's ``{`` and ``null``.
+_MAP_OR_NIL = {MSGPACK: frozenset([*range(0x80, 0x90), 0xDE, 0xDF, 0xC0]), JSON: frozenset(b"{n")}
+
+
+def _check_free_form(response: EngineCoreReadyResponse, wire_format: str) -> None:
+    """The free-form fields stay raw, but each must be a map (or null), as vLLM sends them."""
+    for name in _FREE_FORM:
+        raw = getattr(response, name)
+        if raw is not UNSET and memoryview(raw)[:1].tobytes()[0] not in _MAP_OR_NIL[wire_format]:
+            raise InvalidPayload(f"$.{name}", "expected a map or null")
 
 
 def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineCoreReadyResponse:
-    """Decode one ready response from msgpack (vLLM's wire format) or JSON."""
+    """Decode one ready response from msgpack (vLLM's wire format) or JSON.
+
+    The whole payload must be well-formed and showable as JSON, unknown keys included: it is kept and shown as sent.
+    """
     if not payload:
         raise MalformedPayload("$", "the body is empty: expected one ready response")
     try:
-        # The whole payload must be well-formed, unknown keys included: it is kept and shown as sent.
-        _raw_decoders[wire_format].decode(payload)
-        return _decoders[wire_format].decode(payload)
+        if wire_format == MSGPACK:
+            as_sent = _raw_decoders[MSGPACK].decode(payload)
+            try:
+                _json_encoder.encode(as_sent)
+            except TypeError:
+                raise InvalidPayload(*_not_shown(as_sent)) from None
+            del as_sent  # decoded, it may take 70 times its bytes: gone before the next step allocates
+        else:
+            _raw_decoders[JSON].decode(payload)
+        response: EngineCoreReadyResponse = _decoders[wire_format].decode(payload)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
     except RecursionError:  # msgspec's depth guard, e.g. deeply nested values of an unknown (skipped) key
         raise MalformedPayload("$", "nested too deeply") from None
+    _check_free_form(response, wire_format)
+    return response
 
 
-def decode_as_sent(payload: bytes, wire_format: str = MSGPACK) -> Any:
-    """The payload as a plain map, unknown keys included (for showing what an engine sent)."""
-    return _raw_decoders[wire_format].decode(payload)
+def shown_as_json(payload: bytes, wire_format: str = MSGPACK) -> msgspec.Raw:
+    """The payload as JSON, unknown keys included (for showing what an engine sent); a JSON one as it came."""
+    if wire_format == JSON:
+        return msgspec.Raw(payload)
+    return msgspec.Raw(_json_encoder.encode(_raw_decoders[MSGPACK].decode(payload)))
 
 
 def encode_ready_response(response: EngineCoreReadyResponse) -> bytes:

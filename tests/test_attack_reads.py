@@ -14,7 +14,8 @@ from tests.helpers.figures import record
 from tests.helpers.health import HealthWatch, recovery_seconds
 from tests.helpers.http import MSGPACK, raw_socket, request
 from tests.helpers.ready_responses import ready_response
-from tests.support import ExporterProcess
+from tests.support import ExporterProcess, wait_until
+from tests.test_attack_budget import shaped_payload
 
 
 def populate(exporter: ExporterProcess, deployments: int) -> None:
@@ -119,3 +120,75 @@ def test_reads_with_several_workers_take_no_write_lock(
            storage_unhealthy=healthy.count(0.0), stale=stale)  # fmt: skip
     assert set(statuses) == {200} and set(healthy) == {1.0} and stale == 0
     assert max(latencies) < 0.5, latencies
+
+
+# /metrics and /-/healthy under a flood of GET /: their p99 stays within this of the idle p99 (same test, same host).
+FLOOD_P99_FACTOR = 3.0
+FLOOD_P99_SLACK_SECONDS = 0.25
+
+
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def timed_reads(url: str, rounds: int, seconds: float = 20.0) -> dict[str, list[float]]:
+    """``rounds`` scrapes of /metrics and /-/healthy (fewer once ``seconds`` passed), each timed on a new
+    connection; 5 s, the timeout, for one that failed."""
+    latencies: dict[str, list[float]] = {"/metrics": [], "/-/healthy": []}
+    deadline = time.monotonic() + seconds
+    for _ in range(rounds):
+        if time.monotonic() > deadline:
+            break
+        for path, taken in latencies.items():
+            started = time.monotonic()
+            try:
+                ok = request(url, "GET", path, timeout=5.0).status == 200
+            except OSError:
+                ok = False
+            taken.append(time.monotonic() - started if ok else 5.0)
+    return latencies
+
+
+def test_a_flood_of_status_page_reads_leaves_scrapes_and_health_checks_fast(
+    start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
+) -> None:
+    """Two clients loop on GET / over 100 replicas whose ready responses are 64 KiB of nested maps while a scraper
+    reads /metrics and /-/healthy: their p99 stays within FLOOD_P99_FACTOR of the idle p99 plus 250 ms."""
+    exporter = start_exporter()
+    payload = shaped_payload()
+    for replica in range(100):
+        path = f"/api/v1/deployments/shaped/ready?replica=r{replica}"
+        assert request(exporter.url, "POST", path, payload, MSGPACK).status == 200
+    idle = timed_reads(exporter.url, 50)
+    stop = threading.Event()
+    pages: list[int] = []
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                pages.append(request(exporter.url, "GET", "/", timeout=30.0).status)
+            except OSError:
+                pages.append(0)
+
+    clients = [threading.Thread(target=flood) for _ in range(2)]
+    for client in clients:
+        client.start()
+    try:
+        wait_until(lambda: len(pages) >= 2, timeout=60)
+        flooded = timed_reads(exporter.url, 100)
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=60)
+    figures: dict[str, object] = {
+        f"{phase}_{path.strip('/-').replace('/', '')}_p99_ms": round(p99(latencies[path]) * 1000, 1)
+        for phase, latencies in (("idle", idle), ("flood", flooded))
+        for path in latencies
+    }
+    record(record_property, "attack_status_page_flood", replicas=100, payload_bytes=len(payload),
+           status_pages=len(pages), **figures)  # fmt: skip
+    assert set(pages) == {200}
+    for path in idle:
+        bound = FLOOD_P99_FACTOR * p99(idle[path]) + FLOOD_P99_SLACK_SECONDS
+        assert p99(flooded[path]) <= bound, f"{path}: p99 {p99(flooded[path]):.3f} s under the flood, bound {bound:.3f}"

@@ -6,24 +6,28 @@ then shows the attack succeeding instead of failing to start.
 
 from __future__ import annotations
 
+import functools
 import os
+import resource
 import signal
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
 from tests.helpers.exposition import samples
 from tests.helpers.figures import record
 from tests.helpers.health import HealthWatch, recovery_seconds
-from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
+from tests.helpers.http import MSGPACK, Reply, raw_socket, read_until_closed, request
 from tests.helpers.processes import memory_kib
 from tests.helpers.ready_responses import BULKY_STATIC_CONFIG, ready_response
-from tests.support import ExporterProcess, wait_until
+from tests.support import ExporterProcess, unavailable, wait_until
 
 
 def settings_env(**flags: str) -> dict[str, str]:
@@ -106,10 +110,13 @@ def test_slow_header_clients_are_dropped_after_the_header_timeout(
         for connection in connections:
             connection.close()
     timed_out = sum(answer.startswith(b"HTTP/1.1 408 ") for answer in answers)
+    over_the_cap = sum(answer.startswith(b"HTTP/1.1 503 ") for answer in answers)
     record(record_property, "attack_slow_headers", connections=60, max_connections=50, header_timeout=1,
-           recovery_seconds=round(recovery, 3) if recovered else "over 8 s", answered_408=timed_out)  # fmt: skip
+           recovery_seconds=round(recovery, 3) if recovered else "over 8 s", answered_408=timed_out,
+           answered_503=over_the_cap)  # fmt: skip
     assert recovered, "the stalled connections kept every slot"
-    assert timed_out == len(connections), [answer[:40] for answer in answers]
+    # uvicorn's cap: the 50th connection is one too many; those past it are answered 503 as they connect.
+    assert (timed_out, over_the_cap) == (49, 11), [answer[:40] for answer in answers]
 
 
 def _served_within(url: str, seconds: float) -> bool:
@@ -182,3 +189,43 @@ def test_sigterm_ends_in_the_shutdown_timeout_while_a_client_stalls_a_large_scra
     (stored,) = [sample.value for sample in samples(exposition, "cache_config_num_gpu_blocks")
                  if sample.labels["deployment"] == "steady"]  # fmt: skip
     assert stored >= max(acknowledged), "an acknowledged ingest was lost"
+
+
+@pytest.mark.parametrize(("hard", "cap"), [(1024, 480), (4096, 1024)])
+def test_idle_connections_past_the_cap_get_503_before_the_descriptors_run_out(
+    tmp_path: Path, record_property: Callable[[str, object], None], hard: int, cap: int
+) -> None:
+    """A soft open-file limit of 1024 and the default --web.max-connections 1024: the exporter raises the soft limit
+    to the hard one, or where that is 1024 too keeps its connections within it and says so; 1,100 idle connections
+    then get the documented 503 as they connect, never resets."""
+    own_soft, own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if own_hard != resource.RLIM_INFINITY and own_hard < 4096:
+        unavailable(f"this test opens 1,100 connections and needs an open-file hard limit of 4096, not {own_hard}")
+    exporter = ExporterProcess(tmp_path / "exporter.db")
+    limited = functools.partial(subprocess.Popen, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                                         (1024, hard)))  # fmt: skip
+    with mock.patch.object(subprocess, "Popen", limited):
+        exporter.start()
+    connections: list[socket.socket] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(own_soft, 4096), own_hard))
+    try:
+        for _ in range(1100):
+            connections.append(raw_socket(exporter.url, timeout=10))
+        answers = [read_until_closed(connection) for connection in connections[-50:]]
+    finally:
+        for connection in connections:
+            connection.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (own_soft, own_hard))
+    assert exporter.process is not None
+    wait_until(lambda: request(exporter.url, "GET", "/-/healthy").status == 200, timeout=10)
+    log = exporter.log.read_text()
+    record(record_property, "attack_idle_connections_fd_limit", nofile=f"1024:{hard}", connections=1100,
+           last_50_answered_503=sum(answer.startswith(b"HTTP/1.1 503 ") for answer in answers))  # fmt: skip
+    exporter.stop()
+    assert all(answer.startswith(b"HTTP/1.1 503 ") for answer in answers), {answer[:40] for answer in answers}
+    problems = [Reply.parse(answer).problem(503) for answer in answers]
+    assert {problem["type"] for problem in problems} == {"urn:cache-config-exporter:problem:connections"}
+    assert all(Reply.parse(answer).headers["retry-after"] == "1" for answer in answers)
+    assert f"At the connection cap of {cap} " in log, log[-2000:]
+    assert ("does not fit in the open-file limit of 1024" in log) == (hard == 1024), log[-2000:]
+    assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]

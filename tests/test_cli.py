@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import urllib.request
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.disk import fill, tmpfs
 from tests.support import FIXTURES, ExporterProcess
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -164,3 +166,50 @@ def test_serve_exits_2_on_a_storage_file_that_is_not_its_own_and_leaves_it_as_it
     assert served.returncode == 2
     assert "not a database" in served.stderr
     assert foreign.read_bytes() == b"not sqlite at all" * 200
+
+
+_SCHEMA_1 = """
+    CREATE TABLE deployments (name TEXT PRIMARY KEY, static_config BLOB NOT NULL, instance_id TEXT);
+    CREATE TABLE engines (
+        deployment TEXT NOT NULL REFERENCES deployments(name) ON DELETE CASCADE,
+        engine INTEGER NOT NULL, response BLOB NOT NULL, received_at REAL NOT NULL,
+        PRIMARY KEY (deployment, engine));
+    CREATE TABLE probe (id INTEGER PRIMARY KEY CHECK (id = 1), writes INTEGER NOT NULL);
+    PRAGMA application_id = 1128482136;
+    PRAGMA user_version = 1;
+"""
+
+
+def _one_line_exit_2(served: subprocess.CompletedProcess[str], words: str) -> None:
+    assert served.returncode == 2, served.stderr
+    assert "Traceback" not in served.stderr
+    [line] = served.stderr.splitlines()
+    assert line.startswith("cache-config-exporter: ") and words in line, line
+
+
+def test_serve_exits_2_with_one_line_when_a_migration_meets_a_full_disk(tmp_path: Path) -> None:
+    """A 3.5 MiB store of schema 1 with 512 KiB free: the migration's copy cannot be written; the old file stays."""
+    with tmpfs(tmp_path / "disk", "8M") as disk:
+        store = disk / "exporter.db"
+        with sqlite3.connect(store) as db:
+            db.executescript(_SCHEMA_1)
+            db.execute("INSERT INTO deployments VALUES ('old', '{}', NULL)")
+            payload = HYBRID.read_bytes()
+            rows = [
+                ("old", engine, payload + os.urandom(4096), 1.5) for engine in range(3_500_000 // (len(payload) + 4096))
+            ]
+            db.executemany("INSERT INTO engines VALUES (?, ?, ?, ?)", rows)
+        assert store.stat().st_size > 3 << 20
+        filler = disk / "filler"
+        written = fill(filler)
+        os.truncate(filler, written - (512 << 10))
+        served = run_cli("serve", "--storage.path", str(store), "--web.listen-address", "127.0.0.1:0")
+        _one_line_exit_2(served, "full")
+        with sqlite3.connect(store) as db:  # rolled back: still schema 1, every row there
+            assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+            assert db.execute("SELECT count(*) FROM engines").fetchone()[0] == len(rows)
+
+
+def test_serve_exits_2_with_one_line_on_a_character_device(tmp_path: Path) -> None:
+    served = run_cli("serve", "--storage.path", "/dev/null", "--web.listen-address", "127.0.0.1:0")
+    _one_line_exit_2(served, "/dev/null: it is not a regular file")

@@ -7,6 +7,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -17,7 +18,10 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
 
-from exporter.series import FAMILIES, replica_samples
+from exporter.exposition import ReplicaLines
+from exporter.replicas import EngineReport, build_replica
+from exporter.series import FAMILIES, LIVENESS, replica_samples
+from protocol import decode_ready_response
 from tests.helpers.http import MSGPACK
 from tests.support import fixture_bytes
 
@@ -226,3 +230,23 @@ def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding:
     headers, body = get_raw(loaded, {"Accept-Encoding": accept_encoding})
     assert "content-encoding" not in headers
     assert cache_config_series(parse_text(body.decode()))
+
+
+def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() -> None:
+    payload = fixture_bytes("hybrid-tp1-post50809")
+    report = EngineReport(0, 100.0, decode_ready_response(payload), payload, "msgpack")
+    replica = build_replica(("qwen", "a"), None, {}, None, 100.0, {0: report}, {})
+    lines = ReplicaLines()
+    before = lines.of(replica)
+    # A heartbeat keeps the synced config and the engines as the same objects (exporter/changes.py).
+    alive = msgspec.structs.replace(replica, heartbeat_seconds=30.0, last_seen=160.0)
+    after = lines.of(alive)
+    assert after == ReplicaLines().of(alive), "the same lines as a fresh render"
+    kept = len(FAMILIES) - len(LIVENESS)
+    assert all(new is old for new, old in zip(after[:kept], before[:kept], strict=True)), "not rendered again"
+    body = lines.body({alive.key: alive}).decode()
+    assert 'cache_config_last_seen_timestamp_seconds{deployment="qwen",replica="a"} 160.0' in body
+    assert 'cache_config_heartbeat_interval_seconds{deployment="qwen",replica="a"} 30.0' in body
+    # A change of the engines renders everything again.
+    pushed = build_replica(("qwen", "a"), None, {}, 30.0, 170.0, {0: report, 1: report}, {})
+    assert lines.of(pushed) == ReplicaLines().of(pushed)

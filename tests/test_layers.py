@@ -64,3 +64,9 @@ def test_the_protocol_imports_no_web_or_metrics_stack_and_nothing_of_the_exporte
 def test_what_runs_inside_vllm_imports_no_web_or_metrics_stack(name: str) -> None:
     roots = {imported.split(".")[0] for imported in _imports(MODULES[name])}
     assert not roots & WEB_AND_METRICS, name
+
+
+def test_only_the_app_imports_the_route_handlers() -> None:
+    """README, How it works: the handlers are imported by no step below them (the OpenAPI document is written
+    from the routes' declarations, which its module defines)."""
+    assert {name for name, imported in GRAPH.items() if "exporter.routes" in imported} == {"exporter.service"}

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from exporter import sender
-from exporter.plugin_outbox import Attempt, Backoff, Outbox, Update, Verdict, verdict_of
+from exporter.plugin_outbox import MAX_BATCH_BYTES, Attempt, Backoff, Outbox, Update, Verdict, verdict_of
 
 HEARTBEAT = 10.0
 FIRST_RETRY = 0.5
@@ -22,13 +23,22 @@ NOT_HELD = sender.Refused(404, "replica 'r1' of 'org/m' is not held", "replica")
 FIELD_REFUSED = sender.Refused(422, "'None' is not an integer", "prefix_cache_retention_interval")
 
 
-def outbox(heartbeat: float = HEARTBEAT) -> Outbox:
-    return Outbox(heartbeat, Backoff(FIRST_RETRY, MAX_RETRY, heartbeat))
+WINDOW = 1.0
 
 
-def update(engine: int = 0, run: str | None = "run-1", replica: str = "r1", labels: dict[str, str] = LABELS) -> Update:
-    """A ready response of ``engine`` in ``run``; its payload names both, so that the tests can tell it apart."""
-    return Update("org/m", replica, dict(labels), engine, run, f"{run}/{engine}".encode())
+def outbox(heartbeat: float = HEARTBEAT, window: float = 0.0) -> Outbox:
+    """Without a window unless asked: what is offered before a request is due goes in it."""
+    return Outbox(heartbeat, Backoff(FIRST_RETRY, MAX_RETRY, heartbeat), window)
+
+
+def update(
+    engine: int = 0, run: str | None = "run-1", replica: str = "r1", labels: dict[str, str] = LABELS, size: int = 0
+) -> Update:
+    """A ready response of ``engine`` in ``run``; its payload (msgpack) names both, so that the tests can tell it
+    apart, padded to ``size`` bytes."""
+    name = f"{run}/{engine}"
+    payload = msgspec.msgpack.encode(name.ljust(size - 3) if size else name)
+    return Update("org/m", replica, dict(labels), engine, run, payload)
 
 
 def due(box: Outbox, now: float) -> Attempt:
@@ -39,12 +49,14 @@ def due(box: Outbox, now: float) -> Attempt:
 
 
 def described(attempt: Attempt) -> str:
-    """What ``attempt`` sends: ``labels``, the ready response's payload (``run/engine``), or ``heartbeat r1``."""
+    """What ``attempt`` sends: ``labels``, the ready responses' payloads (``run/engine``, several in one request
+    joined by ``+``), or ``heartbeat r1``."""
     if attempt.kind == "config":
         return "labels"
-    if attempt.kind == "engine":
+    if attempt.kind == "engines":
         assert attempt.call.body is not None
-        return attempt.call.body.decode()
+        sent = msgspec.msgpack.decode(attempt.call.body)
+        return "+".join(name.strip() for name in sent) if isinstance(sent, list) else sent.strip()
     return f"heartbeat {attempt.replica}"
 
 
@@ -71,8 +83,7 @@ def failing_waits(box: Outbox, now: float, failures: int) -> list[float]:
 
 def test_labels_go_before_the_ready_responses_and_heartbeats_only_once_everything_is_delivered() -> None:
     box = outbox()
-    box.offer(update(0))
-    box.offer(update(1))
+    box.offer(update(0), 0)
     labels = due(box, 0)
     assert (labels.call.method, labels.call.path) == (
         "PUT",
@@ -83,6 +94,7 @@ def test_labels_go_before_the_ready_responses_and_heartbeats_only_once_everythin
     engine = due(box, 0)
     assert (engine.call.method, engine.call.path) == ("POST", "/api/v1/deployments/org/m/ready?replica=r1&heartbeat=10")
     box.record(engine, ACCEPTED, 0)
+    box.offer(update(1), 1)
     # A heartbeat would be due by now, but engine 1's ready response is not delivered yet: it goes first.
     assert described(due(box, HEARTBEAT + 1)) == "run-1/1"
     assert deliver(box, HEARTBEAT + 1) == ["run-1/1"]
@@ -96,8 +108,8 @@ def test_labels_go_before_the_ready_responses_and_heartbeats_only_once_everythin
 
 def test_the_earliest_heartbeat_goes_first() -> None:
     box = outbox()
-    box.offer(update(replica="r1"))
-    box.offer(update(replica="r2"))
+    box.offer(update(replica="r1"), 0)
+    box.offer(update(replica="r2"), 0)
     box.record(due(box, 0), ACCEPTED, 0)
     box.record(due(box, 0), ACCEPTED, 0)
     # r2's labels and response are taken 3 s after r1's.
@@ -132,7 +144,7 @@ def test_backoff_starts_again_from_the_first_wait_once_reset() -> None:
 
 def test_while_the_exporter_is_away_every_request_waits_out_a_doubling_backoff_capped_by_the_heartbeat() -> None:
     box = outbox(heartbeat=2.0)
-    box.offer(update())
+    box.offer(update(), 0)
     assert failing_waits(box, 0, 5) == [0.5, 1, 2, 2, 2]
     # Only the labels were tried, and they are still owed, with the ready response.
     assert box.backlog() == 2
@@ -141,20 +153,20 @@ def test_while_the_exporter_is_away_every_request_waits_out_a_doubling_backoff_c
 @pytest.mark.parametrize("answer", [ACCEPTED, NOT_HELD], ids=["delivered", "not-held"])
 def test_an_answer_backs_off_from_scratch_at_the_next_outage(answer: sender.Outcome) -> None:
     box = outbox()
-    box.offer(update())
+    box.offer(update(), 0)
     deliver(box, 0)
     assert failing_waits(box, HEARTBEAT, 3) == [0.5, 1, 2]
     now = HEARTBEAT + 3.5
     box.record(due(box, now), answer, now)
-    box.offer(update(1))
+    box.offer(update(1), 0)
     assert failing_waits(box, now, 2) == [0.5, 1]
 
 
 def test_after_an_outage_the_first_answer_checks_at_once_that_the_exporter_still_holds_the_replica() -> None:
     box = outbox()
-    box.offer(update(0))
+    box.offer(update(0), 0)
     deliver(box, 0)
-    box.offer(update(1))
+    box.offer(update(1), 0)
     assert failing_waits(box, 1, 1) == [FIRST_RETRY]
     assert deliver(box, 1.5) == ["run-1/1"]
     # Not one heartbeat interval later: the exporter may have lost the replica while it was away.
@@ -163,24 +175,24 @@ def test_after_an_outage_the_first_answer_checks_at_once_that_the_exporter_still
 
 def test_a_heartbeat_the_exporter_does_not_know_sends_everything_again() -> None:
     box = outbox()
-    box.offer(update(0))
-    box.offer(update(1))
+    box.offer(update(0), 0)
+    box.offer(update(1), 0)
     deliver(box, 0)
     assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
     assert box.record(due(box, HEARTBEAT), NOT_HELD, HEARTBEAT) is Verdict.NOT_HELD
     # A new or restarted exporter: it holds nothing to say goodbye to, and gets the whole state again.
     assert box.goodbyes() == []
     assert box.backlog() == 3
-    assert deliver(box, HEARTBEAT) == ["labels", "run-1/0", "run-1/1"]
+    assert deliver(box, HEARTBEAT) == ["labels", "run-1/0+run-1/1"]
     assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
 
 
 def test_a_refused_cache_config_leaves_the_replica_held() -> None:
     box = outbox()
-    box.offer(update())
+    box.offer(update(), 0)
     deliver(box, 0)
     # The engine answers again, and vLLM's labels now hold a value the exporter refuses.
-    box.offer(update(labels={**LABELS, "prefix_cache_retention_interval": "None"}))
+    box.offer(update(labels={**LABELS, "prefix_cache_retention_interval": "None"}), 0)
     assert box.record(due(box, 1), FIELD_REFUSED, 1) is Verdict.LABELS_REFUSED
     # The exporter still holds the replica: were vLLM to shut down now, the goodbye must go.
     assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
@@ -195,7 +207,7 @@ def test_a_refused_cache_config_leaves_the_replica_held() -> None:
 
 def test_refused_labels_of_a_new_replica_hold_nothing_until_a_ready_response_is_taken() -> None:
     box = outbox()
-    box.offer(update())
+    box.offer(update(), 0)
     assert box.record(due(box, 0), FIELD_REFUSED, 0) is Verdict.LABELS_REFUSED
     assert box.goodbyes() == []
     assert deliver(box, 0) == ["run-1/0"]
@@ -205,12 +217,12 @@ def test_refused_labels_of_a_new_replica_hold_nothing_until_a_ready_response_is_
 @pytest.mark.parametrize("delivered_first", [True, False], ids=["delivered", "exporter-away"])
 def test_a_new_run_never_sends_an_engine_of_the_previous_run_again(delivered_first: bool) -> None:
     box = outbox()
-    box.offer(update(0, "run-1"))
-    box.offer(update(1, "run-1"))
+    box.offer(update(0, "run-1"), 0)
+    box.offer(update(1, "run-1"), 0)
     if delivered_first:
         deliver(box, 0)
     # The server restarted; engine 1 of the new run has not answered yet.
-    box.offer(update(0, "run-2"))
+    box.offer(update(0, "run-2"), 0)
     assert box.backlog() == (1 if delivered_first else 2)
     assert deliver(box, 0) == (["run-2/0"] if delivered_first else ["labels", "run-2/0"])
     # Not even when a new exporter asks for everything again.
@@ -220,11 +232,11 @@ def test_a_new_run_never_sends_an_engine_of_the_previous_run_again(delivered_fir
 
 def test_a_response_superseded_while_in_flight_goes_again_in_its_newest_version() -> None:
     box = outbox()
-    box.offer(update(0, run=None))
+    box.offer(update(0, run=None), 0)
     deliver(box, 0)
-    box.offer(update(0, run="run-1"))
+    box.offer(update(0, run="run-1"), 0)
     in_flight = due(box, 1)
-    box.offer(update(0, run="run-2"))
+    box.offer(update(0, run="run-2"), 0)
     box.record(in_flight, ACCEPTED, 1)
     assert deliver(box, 1) == ["run-2/0"]
 
@@ -234,13 +246,13 @@ def test_backlog_counts_what_the_exporter_has_still_to_take_newest_only() -> Non
     assert box.backlog() == 0
     assert box.due(0) == float("inf")
     for _ in range(100):
-        box.offer(update(0))
-        box.offer(update(1))
+        box.offer(update(0), 0)
+        box.offer(update(1), 0)
     # The labels and one ready response per engine, however many times they were offered.
     assert box.backlog() == 3
     box.record(due(box, 0), ACCEPTED, 0)
     assert box.backlog() == 2
-    box.offer(update(0, labels={**LABELS, "num_gpu_blocks": "3994"}))
+    box.offer(update(0, labels={**LABELS, "num_gpu_blocks": "3994"}), 0)
     assert box.backlog() == 3
     deliver(box, 0)
     assert box.backlog() == 0
@@ -249,30 +261,120 @@ def test_backlog_counts_what_the_exporter_has_still_to_take_newest_only() -> Non
 @pytest.mark.parametrize(
     ("kind", "outcome", "verdict"),
     [
-        ("engine", ACCEPTED, Verdict.DELIVERED),
+        ("engines", ACCEPTED, Verdict.DELIVERED),
         ("heartbeat", sender.Accepted(None), Verdict.DELIVERED),
-        ("engine", AWAY, Verdict.RETRY),
-        ("engine", sender.Refused(503, "", None), Verdict.RETRY),
+        ("engines", AWAY, Verdict.RETRY),
+        ("engines", sender.Refused(503, "", None), Verdict.RETRY),
         # The token file may be rotated.
         ("config", sender.Refused(401, "missing bearer token", None), Verdict.RETRY),
         ("heartbeat", NOT_HELD, Verdict.NOT_HELD),
-        ("engine", sender.Refused(404, "", None), Verdict.REFUSED),
-        ("engine", sender.Refused(409, "dp_stats_address differs", "dp_stats_address"), Verdict.REFUSED),
+        ("engines", sender.Refused(404, "", None), Verdict.REFUSED),
+        ("engines", sender.Refused(409, "dp_stats_address differs", "dp_stats_address"), Verdict.REFUSED),
         ("config", FIELD_REFUSED, Verdict.LABELS_REFUSED),
         ("config", sender.Refused(413, "too large", None), Verdict.REFUSED),
     ],
 )
 def test_what_an_answer_means(kind: str, outcome: sender.Outcome, verdict: Verdict) -> None:
     call = sender.Call("POST", "/")
-    assert verdict_of(Attempt("org/m", "r1", kind, 0, 1, call), outcome) is verdict  # type: ignore[arg-type]
+    assert verdict_of(Attempt("org/m", "r1", kind, ((0, 1),), call), outcome) is verdict  # type: ignore[arg-type]
 
 
 def test_a_final_refusal_is_not_tried_again_but_a_newer_version_is() -> None:
     box = outbox()
-    box.offer(update(0))
+    box.offer(update(0), 0)
     deliver(box, 0)
-    box.offer(update(0, run="run-2"))
+    box.offer(update(0, run="run-2"), 0)
     assert box.record(due(box, 1), sender.Refused(409, "contradicts", "dp_stats_address"), 1) is Verdict.REFUSED
     assert box.backlog() == 0
-    box.offer(update(0, run="run-3"))
+    box.offer(update(0, run="run-3"), 0)
     assert deliver(box, 1) == ["run-3/0"]
+
+
+def test_what_the_engines_report_within_the_window_goes_in_one_request() -> None:
+    box = outbox(window=WINDOW)
+    # vLLM's frontend labels change with every engine's response (it sums their blocks): the newest go once.
+    for engine in range(8):
+        box.offer(update(engine, "run-1", labels={**LABELS, "num_gpu_blocks": str(engine)}), engine / 10)
+        assert box.due(engine / 10) == pytest.approx(WINDOW - engine / 10)
+    labels = due(box, WINDOW)
+    assert json.loads(labels.call.body or b"")["num_gpu_blocks"] == "7"
+    box.record(labels, ACCEPTED, WINDOW)
+    batch = due(box, WINDOW)
+    assert (batch.call.method, batch.call.path) == ("POST", "/api/v1/deployments/org/m/ready?replica=r1&heartbeat=10")
+    assert described(batch) == "+".join(f"run-1/{engine}" for engine in range(8))
+    assert box.record(batch, ACCEPTED, WINDOW) is Verdict.DELIVERED
+    assert box.backlog() == 0
+    # The engines restart: eight responses again, the labels changing meanwhile but ending as delivered.
+    for engine in range(8):
+        box.offer(update(engine, "run-2", labels={**LABELS, "num_gpu_blocks": str(engine)}), 5 + engine / 100)
+    assert box.due(5.5) == pytest.approx(WINDOW - 0.5)
+    assert deliver(box, 5 + WINDOW) == ["+".join(f"run-2/{engine}" for engine in range(8))]
+
+
+def test_a_response_offered_after_the_window_goes_in_the_next_request() -> None:
+    box = outbox(window=WINDOW)
+    box.offer(update(0), 0)
+    assert deliver(box, WINDOW) == ["labels", "run-1/0"]
+    box.offer(update(1), WINDOW + 5)
+    # A single response goes as it is, not as an array: exporters without arrays take it.
+    assert due(box, 2 * WINDOW + 5).call.body == update(1).payload
+
+
+def batch_answer(*refusals: tuple[int, int, str]) -> sender.Accepted:
+    """The exporter's answer to an array of which it took some: each refusal as (index, status, field)."""
+    refused = [{"index": index, "status": status, "detail": "no", "field": field} for index, status, field in refusals]
+    return sender.Accepted({"replica": {}, "refused": refused})
+
+
+def test_a_refused_response_of_a_request_goes_no_more_and_the_others_are_delivered() -> None:
+    box = outbox()
+    for engine in range(3):
+        box.offer(update(engine), 0)
+    box.record(due(box, 0), ACCEPTED, 0)
+    batch = due(box, 0)
+    assert box.record(batch, batch_answer((1, 409, "$[1].dp_stats_address")), 0) is Verdict.REFUSED
+    assert box.backlog() == 0
+    assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
+    assert described(due(box, HEARTBEAT)) == "heartbeat r1"
+
+
+def test_a_response_refused_for_now_goes_again_after_the_backoff_alone() -> None:
+    box = outbox()
+    for engine in range(3):
+        box.offer(update(engine), 0)
+    box.record(due(box, 0), ACCEPTED, 0)
+    assert box.record(due(box, 0), batch_answer((2, 429, "engine")), 0) is Verdict.RETRY
+    assert box.due(0) == FIRST_RETRY
+    assert deliver(box, FIRST_RETRY) == ["run-1/2"]
+
+
+def test_a_request_none_of_which_is_taken_is_judged_response_by_response() -> None:
+    box = outbox()
+    box.offer(update(0), 0)
+    box.offer(update(1), 0)
+    box.record(due(box, 0), ACCEPTED, 0)
+    items = {0: sender.Refused(422, "no", "$[0].block_size"), 1: sender.Refused(429, "full", "engine")}
+    assert box.record(due(box, 0), sender.Refused(422, "no", "$[0].block_size", items), 0) is Verdict.RETRY
+    assert deliver(box, FIRST_RETRY) == ["run-1/1"]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [sender.Refused(413, "the body is over 65536 bytes", None), sender.Refused(422, "Expected `object`", "$")],
+    ids=["over-the-body-limit", "exporter-without-arrays"],
+)
+def test_a_request_refused_whole_goes_again_one_response_a_request(refusal: sender.Refused) -> None:
+    box = outbox()
+    box.offer(update(0), 0)
+    box.offer(update(1), 0)
+    box.record(due(box, 0), ACCEPTED, 0)
+    assert box.record(due(box, 0), refusal, 0) is Verdict.SPLIT
+    assert deliver(box, 0) == ["run-1/0", "run-1/1"]
+
+
+def test_a_request_holds_no_more_responses_than_fit_the_body_limit() -> None:
+    box = outbox()
+    size = MAX_BATCH_BYTES // 3
+    for engine in range(4):
+        box.offer(update(engine, size=size), 0)
+    assert deliver(box, 0) == ["labels", "run-1/0+run-1/1+run-1/2", "run-1/3"]

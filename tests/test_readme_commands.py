@@ -3,7 +3,8 @@
 The commands run from a copy of the clone, with the project's commands on PATH (an activated venv). Those
 that write to /etc, /opt or /var/lib run in a private mount and network namespace (`unshare`) with those
 directories overlaid, so the machine is left as it was and 127.0.0.1:10987 is their own. The Docker
-commands need the host's Docker daemon and run outside it.
+commands need the host's Docker daemon and run outside it, with the container, volume, image, port and compose
+project renamed to names of this run (``own_names``): a user's exporter started from the README is never touched.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 import yaml
 
 from tests.helpers.figures import record
-from tests.support import IN_CI, require_binary, wait_until
+from tests.support import IN_CI, free_port, require_binary, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -41,6 +43,7 @@ NOT_RUN = {
     ("Docker Compose", 0): "pulls Prometheus and Grafana from Docker Hub; the offline compose command is run",
     ("Kubernetes", 0): "needs a cluster: tests/test_deploy_manifests.py validates the manifests",
     ("systemd", 1): "needs a running systemd: tests/test_deploy_manifests.py verifies the unit",
+    ("Scraping with Prometheus", 0): "the allowlist is run on a vLLM 0.34 engine's labels: tests/test_info_labels.py",
 }
 WAIT_FOR_EXPORTER = """
 for _ in $(seq 200); do curl -sfk {scheme}://127.0.0.1:10987/-/healthy >/dev/null && break; sleep 0.1; done
@@ -133,8 +136,10 @@ def test_every_operations_command_is_run_or_says_why_not() -> None:
         ("Pushing ready responses", 0),
         ("Pushing ready responses", 1),
         ("Use with vLLM", 0),
+        ("Use with vLLM", 2),
         ("systemd", 0),
-        ("Scraping with Prometheus", 0),
+        ("systemd", 2),
+        ("Scraping with Prometheus", 1),
     }
     run_here |= {("Running with Docker", index) for index in (1, 2, 3, 4)} | {("Docker Compose", 1)}
     every = {(title, index) for title in OPERATIONS for index in range(len(blocks(title)))}
@@ -147,9 +152,11 @@ def test_ingest_tokens_with_their_senders_and_a_rotation(tmp_path: Path) -> None
         in_background(block(securing, 0, "--web.ingest-token-file")),
         block(securing, 1, "--token-file"),
         "old=$(cat /etc/cache-config-exporter/ingest.token)",
-        block(securing, 2, ">> /etc/cache-config-exporter/ingest.token"),
+        # The rotation from a fresh shell, whose umask lets others read what it creates.
+        f"(umask 022\n{block(securing, 2, '>> /etc/cache-config-exporter/ingest.token')}\n)",
         "new=$(cat /etc/cache-config-exporter/ingest.token.new)",
-        block(securing, 3, "mv "),
+        f"(umask 022\n{block(securing, 3, 'mv ')}\n)",
+        'echo "live token mode: $(stat -c %a /etc/cache-config-exporter/ingest.token)"',
         "ingest() { curl -s -o /dev/null -w '%{http_code}\\n' -X POST -H 'Content-Type: application/vnd.msgpack'"
         " -H \"Authorization: Bearer $1\" --data-binary @tests/fixtures/vllm-ready/hybrid-tp1-post50809.msgpack"
         " http://127.0.0.1:10987/api/v1/deployments/qwen/ready; }",
@@ -160,6 +167,7 @@ def test_ingest_tokens_with_their_senders_and_a_rotation(tmp_path: Path) -> None
     assert "deployment qwen: 1 engine(s), block_size=1056" in output
     assert '"block_size":"1056"' in output, "curl's answer: the synced state"
     assert "new token: 200" in output and "old token: 401" in output
+    assert "live token mode: 600" in output
 
 
 def test_pushing_with_the_client_and_curl(tmp_path: Path) -> None:
@@ -204,22 +212,25 @@ def test_the_old_tls_flags_example_serves_https(tmp_path: Path) -> None:
     assert "Healthy." in run_isolated(tmp_path, script)
 
 
-def test_the_prometheus_config_with_the_relabelling_passes_promtool(tmp_path: Path) -> None:
-    (config,) = re.findall(r"^```yaml\n(.*?)^```$", section("Scraping with Prometheus"), flags=re.DOTALL | re.MULTILINE)
-    (tmp_path / "prometheus.yml").write_text(config)
-    checked = subprocess.run(
-        [require_binary("promtool"), "check", "config", "prometheus.yml"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    (vllm,) = [job for job in yaml.safe_load(config)["scrape_configs"] if job["job_name"] == "vllm"]
+def test_the_prometheus_configs_with_the_relabelling_pass_promtool(tmp_path: Path) -> None:
+    """The configuration that drops vLLM's own copy of the metric, and the join's (run in tests/test_stock_vllm.py)."""
+    configs = re.findall(r"^```yaml\n(.*?)^```$", section("Scraping with Prometheus"), flags=re.DOTALL | re.MULTILINE)
+    assert len(configs) == 2
+    for config in configs:
+        (tmp_path / "prometheus.yml").write_text(config)
+        checked = subprocess.run(
+            [require_binary("promtool"), "check", "config", "prometheus.yml"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    (vllm,) = [job for job in yaml.safe_load(configs[0])["scrape_configs"] if job["job_name"] == "vllm"]
     (drop,) = vllm["metric_relabel_configs"]
     assert drop["action"] == "drop" and re.fullmatch(drop["regex"], "vllm:cache_config_info")
 
 
 def test_the_promtool_commands_of_the_alerting_rules(tmp_path: Path) -> None:
     promtool = require_binary("promtool")
-    commands = block("Scraping with Prometheus", 0, "promtool test rules")
+    commands = block("Scraping with Prometheus", 1, "promtool test rules")
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", commands], cwd=clone(tmp_path), env=environment(Path(promtool).parent),
         capture_output=True, text=True, timeout=120, check=False,
@@ -254,13 +265,56 @@ def test_installing_the_wheel_for_vllm_and_for_systemd(tmp_path: Path) -> None:
     script = "\n".join([
         f"export PATH={vllm_python / 'bin'}:$PATH",
         block("Use with vLLM", 0, "python -m build"),
+        block("Use with vLLM", 2, "--target /opt/vllm-plugins"),
         block("systemd", 0, "useradd"),
         f"{require_binary('systemd-analyze')} verify /etc/systemd/system/cache-config-exporter.service",
         "/opt/cache-config-exporter/bin/cache-config-exporter --version",
     ])  # fmt: skip
     output = run_isolated(tmp_path, script, timeout=900, own_network=False)  # pip needs the package index
     assert "name='cache_config_exporter'" in output and "exporter.vllm_plugin:register" in output
+    # From the folder on PYTHONPATH, before the same plugin installed in that python3.
+    assert "/opt/vllm-plugins/exporter/vllm_plugin.py" in output
     assert "cache-config-exporter 0.1.0" in output
+
+
+# The README's name for the container, its volume and the image, where Docker takes it as a name.
+_README_NAME = re.compile(r"(?<=\s)cache-config-exporter(?=[\s:])")
+
+
+def own_names(script: str, name: str, port: int) -> str:
+    """The README's Docker commands with this run's container, volume and image ``name`` and host ``port``."""
+    renamed = _README_NAME.sub(name, script).replace("10987:10987", f"127.0.0.1:{port}:10987")
+    renamed = renamed.replace("http://127.0.0.1:10987", f"http://127.0.0.1:{port}")
+    assert not _README_NAME.search(renamed) and "10987:10987" not in renamed
+    return renamed
+
+
+def test_own_names_rename_every_docker_resource_and_no_path() -> None:
+    script = "\n".join(block("Running with Docker", index, "docker") for index in range(5))
+    renamed = own_names(script, "cce-readme-run", 40123)
+    for renamed_use in ("docker volume create cce-readme-run", "--name cce-readme-run", "-v cce-readme-run:/var/lib",
+                        "-t cce-readme-run", "host cce-readme-run push", "docker rm -f cce-readme-run"):  # fmt: skip
+        assert renamed_use in renamed
+    assert "/var/lib/cache-config-exporter" in renamed and "/etc/cache-config-exporter" in renamed
+    assert "cache-config-exporter-base:bookworm" in renamed
+
+
+def test_the_systemd_token_folder_lets_the_service_user_read_its_token(tmp_path: Path) -> None:
+    """Even over a folder made under ``umask 077`` (0700, which the service's user could not enter)."""
+    require_binary("runuser")
+    script = "\n".join([
+        "useradd --system --home-dir /var/lib/cache-config-exporter --shell /usr/sbin/nologin cache-config-exporter",
+        "(umask 077 && mkdir -p /etc/cache-config-exporter)",
+        block("systemd", 2, "install -d"),
+        "stat -c '%a %U %G %n' /etc/cache-config-exporter /etc/cache-config-exporter/ingest.token",
+        "runuser -u cache-config-exporter -- wc -c /etc/cache-config-exporter/ingest.token",
+        "cat /etc/default/cache-config-exporter",
+    ])  # fmt: skip
+    output = run_isolated(tmp_path, script)
+    assert "750 root cache-config-exporter /etc/cache-config-exporter\n" in output
+    assert "640 root cache-config-exporter /etc/cache-config-exporter/ingest.token\n" in output
+    assert "65 /etc/cache-config-exporter/ingest.token\n" in output  # 64 hex digits and a newline
+    assert "CACHE_CONFIG_EXPORTER_WEB_INGEST_TOKEN_FILE=/etc/cache-config-exporter/ingest.token" in output
 
 
 @pytest.fixture
@@ -299,37 +353,44 @@ def test_the_offline_docker_route_and_compose_as_written(
         pytest.fail(f"{tokens} exists: this test writes it as the README does and removes it after")
     require_binary("docker-compose")
     work = clone(tmp_path / "clone")
-    names = "cache-config-exporter"
-    status = "docker inspect -f '{{.State.Health.Status}}' cache-config-exporter"
+    # Names of this run's own: a container, volume or image of the README's names may be the user's.
+    names = f"cce-readme-{uuid.uuid4().hex[:12]}"
+    port = free_port()
+    project = names
+    override = tmp_path / "compose-images.yaml"
+    image = {"image": f"{names}-compose"}
+    override.write_text(yaml.safe_dump({"services": {"exporter": image, "push-hybrid-fixture": image}}))
+    compose = f"docker-compose -f docker/compose.yaml -f {override}"
+    status = f"docker inspect -f '{{{{.State.Health.Status}}}}' {names}"
     healthy = (
         f'for _ in $(seq 150); do [ "$({status})" = healthy ] && break; sleep 0.2; done; echo "healthy: $SECONDS s"'
     )
     ingest = (
         "curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json'"
         " --data-binary @tests/fixtures/vllm-ready/hybrid-tp1-post50809.json"
-        " http://127.0.0.1:10987/api/v1/deployments/qwen/ready"
+        f" http://127.0.0.1:{port}/api/v1/deployments/qwen/ready"
     )
     token = '-H "Authorization: Bearer $(cat /etc/cache-config-exporter/ingest.token)"'
 
     script = "\n".join([
         "set -euo pipefail",
-        block("Running with Docker", 4, "docker build --network none"),
+        own_names(block("Running with Docker", 4, "docker build --network none"), names, port),
         "SECONDS=0",
-        block("Running with Docker", 1, "docker volume create"),
+        own_names(block("Running with Docker", 1, "docker volume create"), names, port),
         healthy,
-        block("Running with Docker", 2, "push /dev/stdin"),
+        own_names(block("Running with Docker", 2, "push /dev/stdin"), names, port),
         "SECONDS=0",
-        block("Running with Docker", 3, "chown 10987:10987"),
+        own_names(block("Running with Docker", 3, "chown 10987:10987"), names, port),
         healthy,
         f'echo "unauthenticated: $({ingest})"',
         f'echo "with the token: $({ingest} {token})"',
-        "curl -s http://127.0.0.1:10987/metrics | grep '^cache_config_block_size'",
-        "docker rm -f cache-config-exporter",
-        block("Docker Compose", 1, "PIP_OPTIONS="),
-        "docker wait readme-test_push-hybrid-fixture_1",
-        "docker-compose -f docker/compose.yaml logs push-hybrid-fixture",
+        f"curl -s http://127.0.0.1:{port}/metrics | grep '^cache_config_block_size'",
+        f"docker rm -f {names}",
+        block("Docker Compose", 1, "PIP_OPTIONS=").replace("docker-compose -f docker/compose.yaml", compose),
+        f"docker wait {project}_push-hybrid-fixture_1",
+        f"{compose} logs push-hybrid-fixture",
     ])  # fmt: skip
-    environment = {**os.environ, "COMPOSE_PROJECT_NAME": "readme-test"}
+    environment = {**os.environ, "COMPOSE_PROJECT_NAME": project}
     try:
         done = subprocess.run(
             ["bash", "-c", script], cwd=work, env=environment, capture_output=True, text=True, timeout=600, check=False
@@ -337,10 +398,11 @@ def test_the_offline_docker_route_and_compose_as_written(
     finally:
         subprocess.run([docker, "rm", "-f", names], capture_output=True, check=False)
         subprocess.run(
-            ["docker-compose", "-f", "docker/compose.yaml", "down", "--volumes"],
+            ["docker-compose", "-f", "docker/compose.yaml", "-f", str(override), "down", "--volumes"],
             cwd=work, env=environment, capture_output=True, check=False, timeout=120,
         )  # fmt: skip
         subprocess.run([docker, "volume", "rm", "-f", names], capture_output=True, check=False)
+        subprocess.run([docker, "rmi", names, f"{names}:0.1.0", f"{names}-compose"], capture_output=True, check=False)
         shutil.rmtree(tokens, ignore_errors=True)
     assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert "unauthenticated: 401" in done.stdout

@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from protocol import EngineCoreReadyResponse, InvalidPayload, decode_as_sent, decode_ready_response
+from protocol import EngineCoreReadyResponse, InvalidPayload, decode_ready_response, shown_as_json
 from tests.support import FIXTURES, fixture_bytes
 
 FIXTURES_BY_NAME = sorted(path.stem for path in FIXTURES.glob("*.msgpack"))
@@ -41,7 +41,37 @@ def test_old_forms_leave_newer_fields_absent_not_none() -> None:
 def test_unknown_fields_are_skipped_by_the_typed_decode_and_kept_as_sent() -> None:
     payload = fixture_bytes("hybrid-future-extra-fields")
     assert decode_ready_response(payload).block_size == 1056
-    assert decode_as_sent(payload)["some_future_field"] == {"nested": [1, 2, 3]}
+    assert msgspec.json.decode(shown_as_json(payload))["some_future_field"] == {"nested": [1, 2, 3]}
+
+
+def test_the_free_form_maps_stay_raw_bytes_of_the_payload_until_shown() -> None:
+    """Decoded, ``{"a": [{}] * 65000}`` takes 70 times its bytes: the sync never reads it, so it stays raw."""
+    config = {"a": [{}] * 65_000, "model": "m"}
+    payload = _payload(vllm_config=config, prefix_hash_config={"hash": "sha256"})
+    response = decode_ready_response(payload)
+    assert isinstance(response.vllm_config, msgspec.Raw) and len(response.vllm_config) < 70_000
+    assert msgspec.msgpack.decode(response.vllm_config) == config
+    assert msgspec.json.decode(shown_as_json(payload))["vllm_config"] == config
+    assert decode_ready_response(_payload(vllm_config=None)).sent("vllm_config")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "reason"),
+    [
+        ({"some_future_field": {"nested": [1, msgspec.msgpack.Ext(5, b"x")]}}, "$.some_future_field.nested[1]",
+         "msgpack extension (type 5)"),
+        ({"vllm_config": {"a": msgspec.msgpack.Ext(1, b"")}}, "$.vllm_config.a", "msgpack extension (type 1)"),
+        ({"other": {"m": {(1, 2): 3}}}, "$.other.m", "map key of type tuple"),
+        ({"other": {None: 1}}, "$.other", "map key of type NoneType"),
+        ({"other": {True: 1}}, "$.other", "map key of type bool"),
+    ],
+)  # fmt: skip
+def test_what_json_cannot_show_is_refused_under_any_key_with_its_path(
+    changes: dict[str, object], field: str, reason: str
+) -> None:
+    with pytest.raises(InvalidPayload) as refused:
+        decode_ready_response(_payload(**changes))
+    assert refused.value.field == field and reason in refused.value.reason
 
 
 def _payload(**changes: object) -> bytes:

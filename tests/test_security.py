@@ -13,7 +13,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from exporter.security import Credentials
+from exporter.auth import Credentials
 from exporter.settings import Settings, SettingsError
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, Reply, request
@@ -103,12 +103,12 @@ def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
     exporter = start_exporter("--web.config.file", str(web_config))
     right = basic("prometheus", password)
     leaked = "$2b$04$" + "x" * 20
-    web_config.write_text(f"basic_auth_users:\n  prometheus: {leaked}\n")  # not a bcrypt hash, on line 2
+    web_config.write_text(f"basic_auth_users:\n  prometheus: {leaked}\n")  # not a bcrypt hash
     wait_until(lambda: reload_gauge(exporter, right, web_config) == 0.0)
     assert scrape_status(exporter, right) == 200, "the last good users stay in force"
     log = exporter.log.read_text()
     assert f"--web.config.file {web_config}: reload failed, keeping the last good content" in log
-    assert "line 2: basic_auth_users.prometheus is not a bcrypt hash" in log
+    assert "$.basic_auth_users.prometheus is not a bcrypt hash" in log
     assert leaked not in log
     assert log.count("reload failed") == 1, "one broken file is logged once, not on every request"
 
@@ -117,26 +117,50 @@ def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
 
 
 @pytest.mark.parametrize(
-    ("content", "line", "message"),
+    ("content", "where", "message"),
     [
-        ("basic_auth_users:\n  a: b\n  c: [d\n", 4, "not valid YAML"),
-        ("tls_server_config:\n  cert_file: c.pem\n", 1, "tls_server_config needs cert_file and key_file"),
-        ("http_server_config:\n  headers:\n    Server: x\n", 3, "header Server cannot be set"),
-        ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n", 3, "must be one of deny, sameorigin"),
-        ("\nbasic_auth_user:\n  a: b\n", 2, "the file.basic_auth_user is unknown"),
-        ("tls_server_config:\n  cert_file: c\n  key_file: k\n  client_ca_file: ca\n", 4, "not supported"),
-        ("basic_auth_users:\n  a: $2y$10$x\n", 2, "basic_auth_users.a is not a bcrypt hash"),
-        ("basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n", 3, "appears twice"),
-        ("tls_server_config:\n  cert_file: none.crt\n  key_file: none.key\n", 1, "cannot load"),
-        ("tls_server_config:\n  cert_file: c\n  key_file: k\n  min_version: TLS14\n", 4, "one of TLS10"),
+        ("basic_auth_users:\n  a: b\n  c: [d\n", "line 4", "is not valid YAML"),
+        ("tls_server_config:\n  cert_file: c.pem\n", "$.tls_server_config.key_file:", "missing required field"),
+        ("http_server_config:\n  headers:\n    Server: x\n", "$.http_server_config.headers.Server", "cannot be set"),
+        (
+            "http_server_config:\n  headers:\n    X-Frame-Options: allow\n",
+            "$.http_server_config.headers.X-Frame-Options",
+            "must be one of deny, sameorigin",
+        ),
+        ("\nbasic_auth_user:\n  a: b\n", "$.basic_auth_user:", "unknown field"),
+        (
+            "tls_server_config:\n  cert_file: c\n  key_file: k\n  client_ca_file: ca\n",
+            "$.tls_server_config.client_ca_file",
+            "is not supported",
+        ),
+        (
+            "tls_server_config:\n  cert_file: c\n  key_file: k\n  extra: x\n",
+            "$.tls_server_config.extra:",
+            "unknown field",
+        ),
+        ("basic_auth_users:\n  a: $2y$10$x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
+        ("basic_auth_users:\n  a: 12\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
+        (
+            "basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n",
+            "line 3",
+            "'a' appears twice",
+        ),
+        ("tls_server_config:\n  cert_file: none.crt\n  key_file: none.key\n", "$.tls_server_config:", "cannot load"),
+        (
+            "tls_server_config:\n  cert_file: c\n  key_file: k\n  min_version: TLS14\n",
+            "$.tls_server_config.min_version:",
+            "TLS14",
+        ),
+        ("- a\n", "$:", "Expected `object | null`, got `array`"),
+        ("basic_auth_users:\n  a: \x01\n", "the file", "special characters are not allowed"),
     ],
 )
-def test_a_wrong_web_config_names_its_line(tmp_path: Path, content: str, line: int, message: str) -> None:
+def test_a_wrong_web_config_names_the_path(tmp_path: Path, content: str, where: str, message: str) -> None:
     web_config = tmp_path / "web.yml"
     web_config.write_text(content)
     with pytest.raises(SettingsError) as error:
         Credentials.from_settings(Settings(storage_path=tmp_path / "x.db", web_config_file=web_config))
-    assert f"--web.config.file {web_config} line {line}: " in str(error.value)
+    assert f"--web.config.file {web_config}: {where} " in str(error.value)
     assert message in str(error.value)
 
 
@@ -149,7 +173,7 @@ def test_a_wrong_web_config_stops_start_up(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "line 2: basic_auth_users.prometheus is not a bcrypt hash" in result.stderr
+    assert "$.basic_auth_users.prometheus is not a bcrypt hash" in result.stderr
     assert "plain-text-password" not in result.stderr + result.stdout
 
 

@@ -172,7 +172,12 @@ BAD_REQUESTS = [
      "$.kv_cache_max_concurrency"),
     ("truncated msgpack", "POST", READY, fixture_bytes("hybrid-tp1-post50809")[:40], MSGPACK, 400, "$"),
     ("broken JSON", "POST", READY, b'{"max_model_len": 1,', {"Content-Type": "application/json"}, 400, "$"),
-    ("JSON array", "POST", READY, b"[1, 2]", {"Content-Type": "application/json"}, 422, "$"),
+    # An array is several ready responses, each checked alone: the problem names the first refused one.
+    ("JSON array of numbers", "POST", READY, b"[1, 2]", {"Content-Type": "application/json"}, 422, "$[0]"),
+    ("empty array", "POST", READY, b"\x90", MSGPACK, 422, "$"),
+    ("array with an engine query", "POST", READY + "?engine=1", b"\x91" + fixture_bytes("dp2-rank1"), MSGPACK, 422,
+     "query.engine"),
+    ("truncated array", "POST", READY, b"\x92" + fixture_bytes("dp2-rank1"), MSGPACK, 400, "$"),
     ("no content type", "POST", READY, fixture_bytes("hybrid-tp1-post50809"), {}, 415, "Content-Type"),
     ("text body", "POST", READY, b"hello", {"Content-Type": "text/plain"}, 415, "Content-Type"),
     ("rank outside dp size", "POST", READY, _mutated(data_parallel_rank=2, data_parallel_size=2), MSGPACK, 422,
@@ -263,3 +268,63 @@ def test_build_info(client: TestClient) -> None:
     [info] = samples(scrape(client), "cache_config_exporter_build_info")
     assert info.value == 1
     assert info.labels["version"]
+
+
+def array(*names: str) -> bytes:
+    """Several fixtures' ready responses as one msgpack array, each as its engine encoded it."""
+    return msgspec.msgpack.encode([msgspec.Raw(fixture_bytes(name)) for name in names])
+
+
+def test_an_array_of_a_replicas_engines_is_taken_in_one_commit(client: TestClient) -> None:
+    state = client.app.state.exporter.state
+    before = state.version
+    response = client.post(READY, content=array("dp2-rank0", "dp2-rank1"), headers=MSGPACK, params={"replica": "r1"})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["refused"] == []
+    assert [engine["engine"] for engine in answer["replica"]["engines"]] == [0, 1]
+    assert state.version == before + 1
+    assert set(info_labels(scrape(client), "qwen")) == {"0", "1"}
+
+
+def test_an_array_in_json_is_taken_too(client: TestClient) -> None:
+    body = b"[" + fixture_bytes("dp2-rank0", "json") + b", " + fixture_bytes("dp2-rank1", "json") + b"]"
+    response = client.post(READY, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert [engine["wire_format"] for engine in response.json()["replica"]["engines"]] == ["json", "json"]
+
+
+def test_a_refused_response_of_an_array_is_named_and_the_others_are_taken(client: TestClient) -> None:
+    body = array("dp2-rank0", "dp2-rank1-conflicting-stats-address")
+    response = client.post(READY, content=body, headers=MSGPACK)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    [refused] = answer["refused"]
+    assert (refused["index"], refused["status"], refused["field"]) == (1, 409, "$[1].dp_stats_address")
+    assert refused["type"] == "urn:cache-config-exporter:problem:conflict"
+    assert [engine["engine"] for engine in answer["replica"]["engines"]] == [0]
+    exposition = scrape(client)
+    assert set(info_labels(exposition, "qwen")) == {"0"}
+    [accepted] = samples(exposition, "cache_config_exporter_ready_responses_accepted_total")
+    rejected = {
+        s.labels["reason"]: s.value for s in samples(exposition, "cache_config_exporter_ready_responses_rejected_total")
+    }
+    assert (accepted.value, rejected["conflict"]) == (1, 1)
+
+
+def test_an_array_none_of_which_is_taken_is_a_problem_naming_each(client: TestClient) -> None:
+    post(client, "dp2-rank0")
+    before = stored_state(client)
+    body = msgspec.msgpack.encode(
+        [msgspec.Raw(_mutated(block_size=0)), msgspec.Raw(fixture_bytes("dp2-rank1-conflicting-stats-address"))]
+    )
+    response = client.post(READY, content=body, headers=MSGPACK)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["field"] == "$[0].block_size"
+    assert [(item["index"], item["status"], item["field"]) for item in problem["refused"]] == [
+        (0, 422, "$[0].block_size"),
+        (1, 409, "$[1].dp_stats_address"),
+    ]
+    assert stored_state(client) == before

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fastapi.testclient import TestClient
 from playwright.sync_api import Page, sync_playwright
+from prometheus_client import CollectorRegistry
 
+from exporter.service import create_app
+from exporter.settings import Settings
 from tests.helpers.ready_responses import push_ready
 from tests.support import FIXTURES, ExporterProcess, require_binary
 
@@ -84,3 +88,22 @@ def test_docs_work_offline_without_javascript(exporter: ExporterProcess, browser
     page.get_by_role("link", name="OpenAPI document (JSON)").click()
     assert '"openapi"' in page.inner_text("body")
     assert all(url.startswith(exporter.url) for url in requested), f"requests off the exporter: {requested}"
+
+
+def test_the_cached_page_follows_every_change_and_its_ages(tmp_path: Path) -> None:
+    """The page is built once per state version and 5 s step (its "ago" texts), never served stale."""
+    now = [1_000_000.0]
+    settings = Settings(storage_path=tmp_path / "exporter.db")
+    with TestClient(create_app(settings, registry=CollectorRegistry(), clock=lambda: now[0])) as client:
+        payload = (FIXTURES / "hybrid-tp1-post50809.msgpack").read_bytes()
+        headers = {"Content-Type": "application/msgpack"}
+        assert client.post("/api/v1/deployments/first/ready", content=payload, headers=headers).status_code == 200
+        page = client.get("/").text
+        assert "first" in page and "(0 s ago)" in page
+        assert client.get("/").text == page  # the same state and time: the same bytes
+        assert client.post("/api/v1/deployments/second/ready", content=payload, headers=headers).status_code == 200
+        assert "second" in client.get("/").text
+        now[0] += 60
+        assert "(60 s ago)" in client.get("/").text
+        assert client.delete("/api/v1/deployments/first").status_code == 204
+        assert "first" not in client.get("/").text

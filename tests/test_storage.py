@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.storage import SqliteStore, StorageError
+from exporter.storage import LastSeen, SqliteStore, StorageError, StoredReplica
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK
 from tests.helpers.sqlite_file import integrity
@@ -119,3 +119,20 @@ def test_a_file_of_an_older_schema_is_migrated_and_keeps_its_data(
     assert (shown["labels"]["block_size"], shown["labels"]["mamba_block_size"]) == ("1056", "1056")
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+
+
+def test_a_checkpoint_updates_what_heartbeats_change_of_existing_replicas_only(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    try:
+        with store.transaction():
+            store.save_replica(StoredReplica("d", "r", b"{}", "run-1", 30.0, 1.0))
+            store.save_last_seen([LastSeen("d", "r", 15.0, 2.0), LastSeen("d", "gone", 15.0, 2.0)])
+        [stored] = store.load()
+        assert (stored.replica, stored.heartbeat_seconds, stored.last_seen, stored.instance_id) == (
+            "r",
+            15.0,
+            2.0,
+            "run-1",
+        )
+    finally:
+        store.close()

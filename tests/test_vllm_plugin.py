@@ -120,6 +120,11 @@ def two_engines() -> tuple[bytes, bytes]:
     return tuple(ready_response(data_parallel_size=2, data_parallel_rank=rank) for rank in (0, 1))  # type: ignore[return-value]
 
 
+def as_array(payloads: tuple[bytes, ...]) -> bytes:
+    """Ready responses as the plugin sends those its engines report together: one msgpack array of them."""
+    return msgspec.msgpack.encode([msgspec.Raw(payload) for payload in payloads])
+
+
 def frontend(served_model_name: str | list[str] | None = "org/hybrid", **cache_config: Any) -> Any:
     """vLLM's frontend client whose (vLLM's own) ``CacheConfig`` has these values."""
     cache_config_class = importlib.import_module("vllm.config").CacheConfig
@@ -511,9 +516,10 @@ def test_an_exporter_away_changes_nothing_for_vllm_and_gets_everything_once_back
         server = stub(port=port)
     assert forwarder().flush(10)
 
-    assert [method for method, _ in server.routes()][-3:] == ["PUT", "POST", "POST"]
-    assert json.loads(server.requests[-3].body) == client.vllm_config.cache_config.metrics_info()
-    assert [r.body for r in server.requests[-2:]] == list(two_engines())
+    # The labels, then both engines' responses in one request.
+    assert [method for method, _ in server.routes()][-2:] == ["PUT", "POST"]
+    assert json.loads(server.requests[-2].body) == client.vllm_config.cache_config.metrics_info()
+    assert server.requests[-1].body == as_array(two_engines())
     assert len(plugin_logs(caplog)) == 1
     assert f"{url} is reachable again" in plugin_logs(caplog, logging.INFO)[-1]
 
@@ -541,11 +547,11 @@ def test_heartbeats_keep_the_replica_and_an_exporter_without_it_gets_the_whole_s
     def resent() -> list[Recorded]:
         return [r for r in server.requests[again:] if not r.path.endswith("/heartbeat")]
 
-    wait_until(lambda: len(resent()) == 3, timeout=5)
+    wait_until(lambda: len(resent()) == 2, timeout=5)
     server.heartbeat_status = 204
-    assert [r.method for r in resent()] == ["PUT", "POST", "POST"]
+    assert [r.method for r in resent()] == ["PUT", "POST"]
     assert json.loads(resent()[0].body) == client.vllm_config.cache_config.metrics_info()
-    assert [r.body for r in resent()[1:]] == list(two_engines())
+    assert resent()[1].body == as_array(two_engines())
 
 
 def test_goodbye_removes_the_replica_and_an_exporter_that_hangs_neither_delays_nor_blocks_it(
@@ -871,3 +877,44 @@ def test_target_from_environment(
 ) -> None:
     assert Target.from_environment(environ) == expected
     assert bool(plugin_logs(caplog)) is warns
+
+
+def eight_engines(run: str) -> tuple[bytes, ...]:
+    """Data parallel 8 in run ``run``: every engine answers as the server starts."""
+    return tuple(
+        ready_response(data_parallel_size=8, data_parallel_rank=rank, instance_id=run, num_gpu_blocks=1000 + rank)
+        for rank in range(8)
+    )
+
+
+def test_a_data_parallel_server_starting_or_restarting_sends_its_engines_in_one_request(
+    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
+) -> None:
+    server = stub()
+    plugin_on(monkeypatch, server.url, replica="r1")
+    client = frontend()
+    for run in ("run-1", "run-2"):
+        for payload in eight_engines(run):
+            client._apply_ready_response(payload)
+        assert forwarder().flush(10)
+    # Per run: the newest labels once (the frontend's change with each engine's blocks), then the eight engines'
+    # responses in one request.
+    assert [method for method, _ in server.routes()] == ["PUT", "POST", "PUT", "POST"]
+    assert json.loads(server.requests[2].body) == client.vllm_config.cache_config.metrics_info()
+    assert [r.body for r in server.requests[1::2]] == [as_array(eight_engines(run)) for run in ("run-1", "run-2")]
+
+
+def test_the_exporter_takes_a_data_parallel_servers_engines_from_one_request(
+    monkeypatch: pytest.MonkeyPatch, start_exporter: Callable[..., ExporterProcess]
+) -> None:
+    exporter = start_exporter()
+    plugin_on(monkeypatch, exporter.url, replica="r1")
+    client = frontend()
+    for payload in eight_engines("run-1"):
+        client._apply_ready_response(payload)
+    assert forwarder().flush(10)
+    reply = request(exporter.url, "GET", "/api/v1/deployments/org/hybrid?replica=r1")
+    engines = reply.json()["engines"]
+    assert [(engine["engine"], engine["response"]["num_gpu_blocks"]) for engine in engines] == [
+        (rank, 1000 + rank) for rank in range(8)
+    ]

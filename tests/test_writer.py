@@ -7,15 +7,18 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
 
+from exporter import writer
+from exporter.changes import EngineReady, ReadyOutcome
 from exporter.errors import StorageUnavailable
 from exporter.state import ExporterState
 from exporter.storage import SqliteStore
 from protocol import decode_ready_response
+from tests.helpers.sqlite_file import read_only, rows
 from tests.support import fixture_bytes
 
 
@@ -99,3 +102,120 @@ def test_an_unexpected_error_fails_one_change_and_the_writer_goes_on(gated: tupl
         state.apply_ready(("after", "default"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10).deployment
         == "after"
     )
+
+
+class Wall:
+    """A wall clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored_last_seen(path: Path) -> dict[tuple[str, str], tuple[float | None, float]]:
+    with closing(read_only(path)) as db:
+        return {(row[0], row[1]): (row[4], row[5]) for row in rows(db)[0]}
+
+
+KEY = ("d", "r")
+
+
+def test_heartbeats_take_no_commit_and_are_stored_when_the_writer_stops(tmp_path: Path) -> None:
+    store, wall = GatedStore(tmp_path / "state.db"), Wall()
+    store.gate.set()
+    state = ExporterState(store, {}, wall)
+    try:
+        state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        commits = store.commits
+        for _ in range(20):
+            wall.now += 1
+            state.heartbeat(KEY, 15.0).result(timeout=10)
+        assert store.commits == commits  # no write transaction, no fsync, for "still alive"
+        assert state.snapshot()[KEY].last_seen == wall.now
+        assert stored_last_seen(store.path)[KEY] == (30.0, wall.now - 20)
+    finally:
+        state.close()
+    assert stored_last_seen(store.path)[KEY] == (15.0, wall.now)
+    store.close()
+
+
+def test_a_checkpoint_stores_what_heartbeats_changed_within_its_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer, "CHECKPOINT_SECONDS", 0.3)
+    monkeypatch.setattr(writer, "HOUSEKEEPING_SECONDS", 0.1)
+    store, wall = GatedStore(tmp_path / "state.db"), Wall()
+    store.gate.set()
+    state = ExporterState(store, {}, wall)
+    try:
+        state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        state.apply_ready(("d", "gone"), 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        wall.now += 7
+        state.heartbeat(KEY, 30.0).result(timeout=10)
+        state.heartbeat(("d", "gone"), 30.0).result(timeout=10)
+        state.delete_replica(("d", "gone")).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while stored_last_seen(store.path)[KEY][1] != wall.now and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stored_last_seen(store.path) == {KEY: (30.0, wall.now)}  # a goodbye stays a goodbye
+    finally:
+        state.close()
+        store.close()
+
+
+def test_a_heartbeat_to_a_shared_store_is_committed_at_once(tmp_path: Path) -> None:
+    store, wall = GatedStore(tmp_path / "state.db"), Wall()
+    store.gate.set()
+    state = ExporterState(store, {}, wall, shared_store=True)
+    try:
+        state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        wall.now += 5
+        state.heartbeat(KEY, 30.0).result(timeout=10)
+        # Another worker reads it from the store before any checkpoint: its expiry counts from it.
+        assert stored_last_seen(store.path)[KEY] == (30.0, wall.now)
+    finally:
+        state.close()
+        store.close()
+
+
+def test_several_engines_of_a_replica_are_one_commit(gated: tuple[GatedStore, ExporterState]) -> None:
+    store, state = gated
+    store.gate.set()
+    rank1 = fixture_bytes("dp2-rank1")
+    conflicting = fixture_bytes("dp2-rank1-conflicting-stats-address")
+    reports = [
+        EngineReady(0, RESPONSE, PAYLOAD, "msgpack"),
+        EngineReady(1, decode_ready_response(conflicting), conflicting, "msgpack"),
+        EngineReady(1, decode_ready_response(rank1), rank1, "msgpack"),
+    ]
+    outcome = state.apply_ready_many(KEY, reports[:2], 30.0).result(timeout=10)
+    assert isinstance(outcome, ReadyOutcome) and set(outcome.refused) == {1}
+    assert set(state.snapshot()[KEY].engines) == {0}
+    outcome = state.apply_ready_many(KEY, reports, 30.0).result(timeout=10)
+    assert (dict(outcome.refused), set(outcome.replica.engines)) == ({}, {0, 1})
+    assert store.commits == 2
+    assert sorted(SqliteStore(store.path).load()[0].engines) == [0, 1]
+
+
+def test_heartbeats_are_answered_while_the_store_fails_and_stored_once_it_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint due at every batch
+    store, wall = GatedStore(tmp_path / "state.db"), Wall()
+    store.gate.set()
+    state = ExporterState(store, {}, wall)
+    try:
+        state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        store.fail = True
+        with pytest.raises(StorageUnavailable):
+            state.apply_ready(("d", "other"), 0, RESPONSE, PAYLOAD, "msgpack").result(timeout=10)
+        for _ in range(2):
+            wall.now += 3
+            assert state.heartbeat(KEY, 30.0).result(timeout=10).last_seen == wall.now
+        store.fail = False
+    finally:
+        state.close()
+    assert stored_last_seen(store.path) == {KEY: (30.0, wall.now)}
+    store.close()

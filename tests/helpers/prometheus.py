@@ -40,7 +40,10 @@ _MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGES = re.compile(r"\[[^\]]*\]")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
 _IDENTIFIER = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(\s*\()?")
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "inf", "nan"}
+_KEYWORDS = {
+    "and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left", "group_right",
+    "inf", "nan",
+}  # fmt: skip
 
 
 def metric_names(expr: str) -> set[str]:

@@ -1,0 +1,295 @@
+"""``python -m bench --fleet``: a fleet of vLLM servers against the exporter, and the same fleet against Pushgateway.
+
+N replicas (vLLM servers) of DP=8 in deployments of 40 replicas. Each server does what the plugin does: at its
+start a PUT of its labels and one POST of its eight engines' ready responses (one msgpack array), then a heartbeat
+every 30 s; Pushgateway's users re-push their eight ``cache_config_info`` series every 30 s instead (a PUT of the
+replica's group, as prometheus_client's ``push_to_gateway`` does). Every request is on a connection of its own, as
+both clients' ``urllib`` makes it. The real per-replica rates, compressed only in how long the run lasts:
+
+1. fill: every replica starts (8 requests at a time), timed; Pushgateway gets at most ``FILL_BUDGET`` seconds;
+2. idle (20 s): scrapes every second, nothing else: the baseline of scrape latency and CPU;
+3. heartbeats (``--phase-seconds``, default 120): N/30 heartbeats (pushes) a second, scrapes every 15 s as
+   Prometheus makes them (each one after 15 s of heartbeats: what a heartbeat costs a scrape is in it);
+4. fleet (the same length): heartbeats, a rolling restart of 10 % of the servers spread over the middle half
+   (each a new run: labels and eight engines again; a push for Pushgateway), scrapes every 15 s.
+
+Each server runs alone, started afresh for each N, so that CPU and memory are its own; every second the CPU share
+of one core and the RSS of its process are sampled. The results go to JSON, a markdown table and a PNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench import aio, fleet_report
+from bench.load import (
+    DATA_PARALLEL,
+    MSGPACK,
+    PUSH_TEXT,
+    SCRAPE_FORMATS,
+    Client,
+    Request,
+    fixture_response,
+    info_series,
+    labels,
+)
+from bench.procs import HOST, Server, peak_rss_mb, rss_mb
+
+HEARTBEAT_SECONDS = 30.0
+PROMETHEUS_SCRAPE_SECONDS = 15.0
+PROBE_SCRAPE_SECONDS = 1.0
+IDLE_SECONDS = 20.0
+RESTART_SHARE = 0.1
+REPLICAS_PER_DEPLOYMENT = 40
+IN_FLIGHT = 64
+FILL_IN_FLIGHT = 8
+FILL_BUDGET = 120.0
+WINDOW_SECONDS = 5.0
+# The fleet's state is over the default byte budget (128 MiB) from about 50,000 engines on.
+EXPORTER_FLAGS = ["--log.level", "warning", "--limits.bytes", str(2 << 30)]
+JSON_LABELS = {"Content-Type": "application/json"}
+SCRAPE = Request("GET", "/metrics", SCRAPE_FORMATS["gzip"])
+# vLLM's frontend labels (``CacheConfig.metrics_info()``), as the plugin PUTs them.
+STATIC_LABELS = {
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.9",
+    "num_gpu_blocks": "15976",
+    "prefix_caching_hash_algo": "sha256",
+    "swap_space": "4",
+}
+
+
+def replica_names(count: int) -> list[tuple[str, str]]:
+    """(deployment, replica) of each of ``count`` vLLM servers, in deployments of 40."""
+    return [(f"fleet-{i // REPLICAS_PER_DEPLOYMENT:04d}", f"vllm-{i:05d}:8000") for i in range(count)]
+
+
+def ready_array(run: str, blocks: int) -> bytes:
+    """A DP=8 server's ready responses of one run, as the plugin sends them: one msgpack array."""
+    responses = [
+        {**fixture_response(), "data_parallel_size": DATA_PARALLEL, "data_parallel_rank": rank, "instance_id": run,
+         "num_gpu_blocks": blocks + rank}
+        for rank in range(DATA_PARALLEL)
+    ]  # fmt: skip
+    return msgspec.msgpack.encode(responses)
+
+
+def exporter_start(deployment: str, replica: str, run: str, blocks: int, promise: bool) -> tuple[Request, ...]:
+    """What the plugin sends as its server starts: the labels, then the engines in one request."""
+    query = f"replica={replica}" + (f"&heartbeat={HEARTBEAT_SECONDS:g}" if promise else "")
+    base = f"/api/v1/deployments/{deployment}"
+    return (
+        Request("PUT", f"{base}/cache-config?{query}", JSON_LABELS, json.dumps(STATIC_LABELS).encode()),
+        Request("POST", f"{base}/ready?{query}", MSGPACK, ready_array(run, blocks)),
+    )
+
+
+def exporter_heartbeat(deployment: str, replica: str) -> Request:
+    query = f"replica={replica}&interval={HEARTBEAT_SECONDS:g}"
+    return Request("POST", f"/api/v1/deployments/{deployment}/heartbeat?{query}", {})
+
+
+def push(deployment: str, replica: str, template: dict[str, str], blocks: int) -> Request:
+    """A PUT of the replica's group: its eight engines' ``cache_config_info`` series."""
+    lines = [b"# TYPE cache_config_info gauge"]
+    for rank in range(DATA_PARALLEL):
+        values = {**template, "engine": str(rank), "num_gpu_blocks": str(blocks + rank)}
+        lines.append(("cache_config_info{" + ",".join(f'{k}="{v}"' for k, v in values.items()) + "} 1").encode())
+    return Request("PUT", f"/metrics/job/vllm/deployment/{deployment}/replica/{replica}", PUSH_TEXT,
+                   b"\n".join(lines) + b"\n")  # fmt: skip
+
+
+class Work:
+    """One server's side of the fleet: what a start, a heartbeat and a restart send."""
+
+    def __init__(self, kind: str, template: dict[str, str]) -> None:
+        self.kind = kind
+        self.template = template
+
+    def start(self, deployment: str, replica: str, run: str, blocks: int, promise: bool) -> tuple[Request, ...]:
+        if self.kind == "exporter":
+            return exporter_start(deployment, replica, run, blocks, promise)
+        return (push(deployment, replica, self.template, blocks),)
+
+    def heartbeat(self, deployment: str, replica: str) -> tuple[Request, ...]:
+        if self.kind == "exporter":
+            return (exporter_heartbeat(deployment, replica),)
+        return (push(deployment, replica, self.template, 1000),)
+
+
+def heartbeats(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> list[aio.Event]:
+    """Each replica every 30 s, the replicas spread evenly over the 30 s."""
+    events = []
+    for i, (deployment, replica) in enumerate(names):
+        at = i * HEARTBEAT_SECONDS / len(names)
+        while at < seconds:
+            events.append(aio.Event(at, "heartbeat", work.heartbeat(deployment, replica)))
+            at += HEARTBEAT_SECONDS
+    return events
+
+
+def restarts(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> list[aio.Event]:
+    """Every tenth replica starts a new run, spread over the middle half of the phase."""
+    chosen = names[:: round(1 / RESTART_SHARE)]
+    return [
+        aio.Event(seconds / 4 + j * (seconds / 2) / len(chosen), "restart",
+                  work.start(deployment, replica, f"restart-{j}", 2000, promise=True))
+        for j, (deployment, replica) in enumerate(chosen)
+    ]  # fmt: skip
+
+
+async def _phase(
+    server: Server, events: Sequence[aio.Event], seconds: float, scrape_every: float, in_flight: int
+) -> dict[str, Any]:
+    """Run ``events`` with scrapes and samples for ``seconds``; what came of it."""
+    start = time.monotonic()
+    deadline = start + seconds
+    tally = aio.Tally()
+    _, scrapes, samples = await asyncio.gather(
+        aio.drive(server.port, events, in_flight, start, deadline, tally),
+        aio.scrape(server.port, SCRAPE, scrape_every, start, deadline),
+        aio.sample(server.pid, start, deadline),
+    )
+    due: dict[str, int] = {}
+    for event in events:
+        if event.at < seconds:
+            due[event.kind] = due.get(event.kind, 0) + 1
+    cpu = [share for _, share, _ in samples]
+    return {
+        "seconds": time.monotonic() - start,
+        "due": due,
+        "events": {kind: aio.summary([latency for _, latency in done]) for kind, done in tally.done.items()},
+        "windows": {kind: aio.windows(done, WINDOW_SECONDS, seconds) for kind, done in tally.done.items()},
+        "errors": tally.errors,
+        "error_statuses": tally.statuses,
+        "scrape": aio.summary([latency for _, latency, _ in scrapes]),
+        "scrapes": scrapes,
+        "samples": samples,
+        "cpu_share": sum(cpu) / len(cpu) if cpu else None,
+    }
+
+
+def _fill(server: Server, names: Sequence[tuple[str, str]], work: Work, budget: float) -> dict[str, Any]:
+    """Every replica starts, ``FILL_IN_FLIGHT`` at a time, within ``budget`` seconds."""
+    events = [
+        aio.Event(0.0, "start", work.start(deployment, replica, "run-0", 1000, promise=False))
+        for deployment, replica in names
+    ]
+    tally = aio.Tally()
+    start = time.monotonic()
+    asyncio.run(aio.drive(server.port, events, FILL_IN_FLIGHT, start, start + budget, tally))
+    seconds = time.monotonic() - start
+    started = len(tally.done.get("start", []))
+    return {"replicas": started, "of": len(names), "seconds": seconds, "rate": started / seconds,
+            "errors": tally.errors, "error_statuses": tally.statuses}  # fmt: skip
+
+
+def run_server(
+    server: Server, names: Sequence[tuple[str, str]], work: Work, phase_seconds: float, fill_budget: float
+) -> dict[str, Any]:
+    """The whole timeline against one freshly started server."""
+    time.sleep(1.0)
+    result: dict[str, Any] = {"empty_rss_mb": rss_mb(server.pid)}
+    print(f"bench --fleet: {work.kind}, {len(names)} replicas: fill", file=sys.stderr, flush=True)
+    result["fill"] = _fill(server, names, work, fill_budget)
+    _scrape_once(server)  # as Prometheus would have meanwhile: the idle phase starts from a rendered exposition
+    phases = {
+        "idle": ([], IDLE_SECONDS, PROBE_SCRAPE_SECONDS),
+        "heartbeats": (heartbeats(names, work, phase_seconds), phase_seconds, PROMETHEUS_SCRAPE_SECONDS),
+        "fleet": (heartbeats(names, work, phase_seconds) + restarts(names, work, phase_seconds), phase_seconds,
+                  PROMETHEUS_SCRAPE_SECONDS),
+    }  # fmt: skip
+    result["phases"] = {}
+    for name, (events, seconds, scrape_every) in phases.items():
+        print(f"bench --fleet: {work.kind}, {len(names)} replicas: {name} {seconds:g} s", file=sys.stderr, flush=True)
+        result["phases"][name] = asyncio.run(_phase(server, events, seconds, scrape_every, IN_FLIGHT))
+    result["peak_rss_mb"] = peak_rss_mb(server.pid)
+    return result
+
+
+@contextlib.contextmanager
+def _exporter(workdir: Path) -> Iterator[Server]:
+    database = workdir / f"fleet-{time.monotonic_ns()}.db"
+    command = [sys.executable, "-m", "exporter", "serve", "--storage.path", str(database), *EXPORTER_FLAGS]
+    with Server("exporter", lambda port: [*command, "--web.listen-address", f"{HOST}:{port}"], "/-/healthy",
+                workdir) as server:  # fmt: skip
+        yield server
+
+
+@contextlib.contextmanager
+def _pushgateway(workdir: Path, binary: str) -> Iterator[Server]:
+    command = [binary, "--persistence.file=", "--log.level=warn"]
+    with Server("pushgateway", lambda port: [*command, f"--web.listen-address={HOST}:{port}"], "/-/ready",
+                workdir) as server:  # fmt: skip
+        yield server
+
+
+def _scrape_once(server: Server) -> bytes:
+    client = Client(server.port)
+    try:
+        return client.scrape()
+    finally:
+        client.close()
+
+
+def _template(server: Server) -> dict[str, str]:
+    """The labels of one engine's ``cache_config_info`` as the exporter shows it, for Pushgateway's users to push."""
+    line = next(iter(info_series(_scrape_once(server)).values()))
+    return {name: value for name, value in labels(line).items() if name not in ("deployment", "replica", "engine")}
+
+
+def measure(replicas: Sequence[int], phase_seconds: float, fill_budget: float, pushgateway: str) -> dict[str, Any]:
+    """Both servers at each N, one after the other, each started afresh."""
+    results: dict[str, Any] = {
+        "settings": {"replicas": list(replicas), "phase_seconds": phase_seconds, "idle_seconds": IDLE_SECONDS,
+                     "heartbeat_seconds": HEARTBEAT_SECONDS, "fill_budget_seconds": fill_budget,
+                     "in_flight": IN_FLIGHT, "data_parallel": DATA_PARALLEL},
+        "runs": {},
+    }  # fmt: skip
+    begun = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cce-fleet-") as tmp:
+        workdir = Path(tmp)
+        for n in replicas:
+            names = replica_names(n)
+            runs: dict[str, Any] = {}
+            with _exporter(workdir) as exporter:
+                runs["exporter"] = run_server(exporter, names, Work("exporter", {}), phase_seconds, float("inf"))
+                template = _template(exporter)
+            with _pushgateway(workdir, pushgateway) as gateway:
+                runs["pushgateway"] = run_server(gateway, names, Work("pushgateway", template), phase_seconds,
+                                                 fill_budget)  # fmt: skip
+            results["runs"][str(n)] = runs
+    results["run_seconds"] = time.monotonic() - begun
+    return results
+
+
+def pushgateway_binary() -> str:
+    binary = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
+    if binary is None:
+        raise SystemExit("prometheus-pushgateway is not installed: apt-get install prometheus-pushgateway")
+    return binary
+
+
+def main(replicas: Sequence[int], phase_seconds: float, fill_budget: float, output: Path, plot: Path) -> int:
+    """Measure, write the JSON and the plot, print the tables."""
+    results = measure(replicas, phase_seconds, fill_budget, pushgateway_binary())
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results) + "\n")
+    print(fleet_report.render(results))
+    print(f"\nraw figures: {output}")
+    fleet_report.plot(results, plot)
+    print(f"plot: {plot}")
+    return 0

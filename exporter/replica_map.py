@@ -1,0 +1,106 @@
+"""The replicas of one state version: an immutable map that the next version shares all but its changed shards with.
+
+A commit must cost what it changed, not what the exporter holds: copying a
+dict of 10,000 replicas for every commit made one change at 10,000 engines
+cost more than at 100. So the keys are spread by hash over a fixed number of
+shards (plain dicts, never changed once published); a new version copies the
+tuple of shards (``SHARDS`` pointers) and only the shards its changes fall in.
+A fixed count rather than one shard per deployment: a deployment may hold
+1,024 replicas and there may be 10,000 deployments, and either would make one
+shard or the outer map as large as the fleet. Hashes are this process's own
+(``PYTHONHASHSEED``): the layout is never stored.
+
+Readers get a ``Mapping``: lookups cost one hash, iterating walks the shards
+(in no particular order: callers that show replicas sort them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
+
+from exporter.replicas import Replica, ReplicaKey
+
+# Shards of every map; at 10,000 replicas a changed shard holds about ten of them.
+SHARDS = 1024
+
+_EMPTY: dict[ReplicaKey, Replica] = {}
+
+
+class ReplicaMap(Mapping[ReplicaKey, Replica]):
+    """Every replica by (deployment, replica name); never changed, ``with_changes`` builds the next one."""
+
+    __slots__ = ("_len", "_shards")
+
+    def __init__(self, shards: tuple[dict[ReplicaKey, Replica], ...] = (_EMPTY,) * SHARDS, length: int = 0) -> None:
+        self._shards = shards
+        self._len = length
+
+    @classmethod
+    def of(cls, replicas: Iterable[Replica]) -> ReplicaMap:
+        return cls().with_changes({replica.key: replica for replica in replicas})
+
+    def with_changes(self, changed: Mapping[ReplicaKey, Replica | None]) -> ReplicaMap:
+        """The map with ``changed`` applied (``None`` removes a key); copies only the shards they fall in."""
+        if not changed:
+            return self
+        shards = list(self._shards)
+        copied: set[int] = set()
+        length = self._len
+        for key, replica in changed.items():
+            index = hash(key) % SHARDS
+            if index not in copied:
+                shards[index] = dict(shards[index])
+                copied.add(index)
+            shard = shards[index]
+            had = key in shard
+            if replica is None:
+                if had:
+                    del shard[key]
+                    length -= 1
+            else:
+                shard[key] = replica
+                length += not had
+        return ReplicaMap(tuple(shards), length)
+
+    def __getitem__(self, key: ReplicaKey) -> Replica:
+        return self._shards[hash(key) % SHARDS][key]
+
+    def get(self, key: ReplicaKey, default: Replica | None = None) -> Replica | None:  # type: ignore[override]
+        return self._shards[hash(key) % SHARDS].get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._shards[hash(key) % SHARDS]
+
+    def __iter__(self) -> Iterator[ReplicaKey]:
+        for shard in self._shards:
+            yield from shard
+
+    def __len__(self) -> int:
+        return self._len
+
+    def items(self) -> ItemsView[ReplicaKey, Replica]:
+        return _Items(self)
+
+    def values(self) -> ValuesView[Replica]:
+        return _Values(self)
+
+    def __repr__(self) -> str:
+        return f"ReplicaMap({len(self)} replicas)"
+
+
+class _Items(ItemsView[ReplicaKey, Replica]):
+    """Each shard's items at C speed, rather than a lookup per key."""
+
+    _mapping: ReplicaMap
+
+    def __iter__(self) -> Iterator[tuple[ReplicaKey, Replica]]:
+        for shard in self._mapping._shards:
+            yield from shard.items()
+
+
+class _Values(ValuesView[Replica]):
+    _mapping: ReplicaMap
+
+    def __iter__(self) -> Iterator[Replica]:
+        for shard in self._mapping._shards:
+            yield from shard.values()

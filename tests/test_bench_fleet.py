@@ -1,0 +1,76 @@
+"""``python -m bench --fleet``'s machinery at a small N against a real exporter: every scheduled request is sent at
+its time and answered, the restarts land, the timeline has its samples, and the table and plot are drawn from it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import fleet, fleet_report
+from tests.helpers.http import request
+
+REPLICAS = 20
+PHASE_SECONDS = 4.0
+
+
+@pytest.fixture(scope="module")
+def exporter_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The whole fleet timeline against a real exporter (idle 2 s, 4 s phases); its result and the state it held."""
+    workdir = tmp_path_factory.mktemp("fleet")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fleet, "IDLE_SECONDS", 2.0)
+        with fleet._exporter(workdir) as server:
+            names = fleet.replica_names(REPLICAS)
+            result = fleet.run_server(server, names, fleet.Work("exporter", {}), PHASE_SECONDS, 30.0)
+            held = request(f"http://127.0.0.1:{server.port}", "GET", "/api/v1/deployments").json()
+    yield result, held
+
+
+def test_the_fleet_is_started_and_every_heartbeat_and_restart_is_answered(
+    exporter_run: tuple[dict[str, Any], list[dict[str, Any]]],
+) -> None:
+    result, _ = exporter_run
+    assert result["fill"]["replicas"] == REPLICAS and not result["fill"]["errors"]
+    # 20 replicas every 30 s: those due in the first 4 s of each phase.
+    heartbeats = result["phases"]["heartbeats"]
+    assert heartbeats["due"] == {"heartbeat": 3}
+    assert heartbeats["events"]["heartbeat"]["count"] == 3
+    fleet_phase = result["phases"]["fleet"]
+    assert fleet_phase["due"] == {"heartbeat": 3, "restart": 2}
+    assert fleet_phase["events"]["restart"]["count"] == 2
+    assert all(not phase["errors"] for phase in result["phases"].values())
+    # Sampled every second; scraped every second while idle, then every 15 s as Prometheus does.
+    assert len(heartbeats["samples"]) >= PHASE_SECONDS - 1
+    assert result["phases"]["idle"]["scrape"]["count"] >= 2
+    assert heartbeats["scrape"]["count"] == fleet_phase["scrape"]["count"] == 1
+    assert result["peak_rss_mb"] >= result["empty_rss_mb"] > 0
+
+
+def test_each_replica_is_held_with_its_eight_engines_and_the_restarted_ones_in_their_new_run(
+    exporter_run: tuple[dict[str, Any], list[dict[str, Any]]],
+) -> None:
+    _, held = exporter_run
+    replicas = {replica["replica"]: replica for replica in held}
+    assert len(replicas) == REPLICAS
+    assert all(len(replica["engines"]) == 8 for replica in replicas.values())
+    restarted = {name for name, replica in replicas.items() if replica["instance_id"].startswith("restart-")}
+    assert restarted == {"vllm-00000:8000", "vllm-00010:8000"}
+
+
+def test_the_table_and_plot_show_both_servers(
+    exporter_run: tuple[dict[str, Any], list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    result, _ = exporter_run
+    settings = {"replicas": [REPLICAS], "phase_seconds": PHASE_SECONDS, "idle_seconds": 2.0, "heartbeat_seconds": 30,
+                "fill_budget_seconds": 30, "in_flight": 64, "data_parallel": 8}  # fmt: skip
+    results = {"settings": settings, "runs": {str(REPLICAS): {"exporter": result, "pushgateway": result}},
+               "run_seconds": 60}  # fmt: skip
+    table = fleet_report.render(results)
+    assert "| heartbeats: done / due | 3 / 3 | 3 / 3 | - |" in table
+    assert "| fleet: restarts done / due | 2 / 2 | 2 / 2 | - |" in table
+    pytest.importorskip("matplotlib")
+    fleet_report.plot(results, tmp_path / "fleet.png")
+    assert (tmp_path / "fleet.png").read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,76 @@
+"""Watched files (exporter/watched_files.py): a write during a read is seen, and ssh's rule for open modes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from exporter.bcrypt_cache import VerifiedCache
+from exporter.settings import SettingsError
+from exporter.watched_files import FileState, Watched, open_to_others
+
+
+def test_a_write_that_lands_during_the_read_is_seen_at_the_next_look(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first-token\n")
+    writes_during_the_read = ["0123456789abcdef\n"]  # the writer's second write() lands right after the read
+
+    def load() -> tuple[str, tuple[Path, ...]]:
+        content = token.read_text()
+        if writes_during_the_read and content.startswith("0123"):
+            with token.open("a") as file:
+                file.write(writes_during_the_read.pop())
+        return content.strip(), (token,)
+
+    watched = Watched("--token", load)
+    assert watched.current() == "first-token"
+    token.write_text("0123")  # the first write() of a new token
+    assert watched.current() == "0123", "what the file held when read"
+    assert watched.current() == "01230123456789abcdef", "the write during that read shows at the next look"
+
+
+def test_a_file_broken_while_written_is_read_again_once_it_is_whole(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("good\n")
+
+    def load() -> tuple[str, tuple[Path, ...]]:
+        content = token.read_text().strip()
+        if not content:
+            token.write_text("rotated\n")  # the writer finishes right after the truncated file was read
+            raise SettingsError("empty")
+        return content, (token,)
+
+    watched = Watched("--token", load)
+    token.write_text("")
+    assert watched.current() == "good" and not watched.last_reload_successful
+    assert watched.current() == "rotated" and watched.last_reload_successful
+
+
+@pytest.mark.parametrize(
+    ("mode", "own", "flagged"),
+    [
+        (0o600, True, False),
+        (0o400, True, False),
+        (0o644, True, True),
+        (0o604, False, True),  # others may read it, whoever owns it
+        (0o640, True, True),  # the exporter's own file, readable by its group
+        (0o640, False, False),  # root's file, readable through the exporter's group: the systemd unit's set-up
+        (0o440, False, False),  # Kubernetes' defaultMode 0440 with fsGroup
+        (0o620, True, False),  # group may write, not read: ssh would object, but no secret shows
+    ],
+)
+def test_open_modes_follow_sshs_rule(mode: int, own: bool, flagged: bool) -> None:
+    owner = os.geteuid() if own else os.geteuid() + 1
+    assert open_to_others(FileState(0, 0, 0, 0, 0, 0o100000 | mode, owner)) is flagged
+
+
+def test_the_verified_cache_keeps_the_most_recently_used_entries() -> None:
+    cache = VerifiedCache(size=2)
+    cache.add("a", b"1", b"h")
+    cache.add("b", b"2", b"h")
+    assert ("a", b"1", b"h") in cache  # now the most recent
+    cache.add("c", b"3", b"h")
+    assert ("b", b"2", b"h") not in cache and ("a", b"1", b"h") in cache and ("c", b"3", b"h") in cache
+    assert ("a", b"1", b"other hash") not in cache and ("a", b"other password", b"h") not in cache
