@@ -27,7 +27,7 @@ import msgspec
 
 from exporter.errors import Refused, UnknownReplica
 from exporter.limits import ByteBudget, Limits
-from exporter.replicas import EngineReport, Replica, ReplicaKey, build_replica, stored_engine, stored_replica
+from exporter.replicas import Replica, ReplicaKey, build_replica, engine_report, stored_engine, stored_replica
 from exporter.storage import Store, StoredEngine
 from exporter.writer import Batch
 from protocol import EngineCoreReadyResponse, InvalidPayload, is_set
@@ -153,7 +153,7 @@ def _with_engine(
     if report.engine not in engines:
         rules.limits.check_new_engine(key, len(engines))
     now = rules.wall()
-    engines[report.engine] = EngineReport(report.engine, now, response, report.payload, report.wire_format)
+    engines[report.engine] = engine_report(report.engine, now, response, report.payload, report.wire_format)
     static_labels = current.static_labels if current else {}
     heartbeat = _promised(current, heartbeat_seconds)
     replica = build_replica(

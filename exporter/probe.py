@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from exporter.exposition import TEXT, ReplicaLines, negotiate
 from exporter.probe_http import MetricsClient, ProbeFailed
 from exporter.probe_targets import AllowList, Target
-from exporter.replicas import EngineReport, Replica, build_replica
+from exporter.replicas import Replica, build_replica, engine_report
 from exporter.series import FAMILIES
 from exporter.settings import Settings, flag_of
 from exporter.telemetry import MULTIPROCESS_ENVIRONMENT
@@ -172,7 +172,7 @@ def read_vllm(
     count = len(label_sets)
     now = time.time()
     engines = {
-        engine: EngineReport(
+        engine: engine_report(
             engine,
             now,
             msgspec.structs.replace(

@@ -14,7 +14,14 @@ from types import MappingProxyType
 import msgspec
 
 from exporter.storage import StoredEngine, StoredReplica
-from protocol import EngineCoreReadyResponse, SyncedConfig, decode_ready_response, decode_static_labels, sync
+from protocol import (
+    EngineCoreReadyResponse,
+    SyncedConfig,
+    decode_ready_response,
+    decode_static_labels,
+    shown_as_json,
+    sync,
+)
 
 # The replica of a sender that names none: one vLLM server per deployment, as before replicas existed.
 DEFAULT_REPLICA = "default"
@@ -35,6 +42,16 @@ class EngineReport(msgspec.Struct, frozen=True, gc=False):
     response: EngineCoreReadyResponse
     payload: bytes
     wire_format: str
+    # Bytes of the payload shown as JSON (the listing's view keeps them): counted by ``--limits.bytes``.
+    shown_bytes: int
+
+
+def engine_report(
+    engine: int, received_at: float, response: EngineCoreReadyResponse, payload: bytes, wire_format: str
+) -> EngineReport:
+    """An engine's report, with what its JSON view will take measured once, when it arrives."""
+    shown_bytes = len(shown_as_json(payload, wire_format))
+    return EngineReport(engine, received_at, response, payload, wire_format, shown_bytes)
 
 
 class Replica(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -94,7 +111,7 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float)
     ``seen``: its stored ``last_seen`` on the monotonic clock of the process that loads it.
     """
     engines = {
-        engine: EngineReport(
+        engine: engine_report(
             engine, row.received_at, decode_ready_response(row.payload, row.wire_format), row.payload, row.wire_format
         )
         for engine, row in stored.engines.items()

@@ -67,8 +67,9 @@ def create_app(
 
     def measure(replica: Replica) -> int:
         """What ``--limits.bytes`` bounds: a replica's bytes in the exposition, and of its ready responses as
-        received (what the store and the JSON state hold of it)."""
-        return lines.size(replica) + sum(len(report.payload) for report in replica.engines.values())
+        received (what the store holds) and as shown in JSON (what the listing holds)."""
+        kept = sum(len(report.payload) + report.shown_bytes for report in replica.engines.values())
+        return lines.size(replica) + kept
 
     telemetry = Telemetry(registry, storage_healthy)
     base_labels = settings.base_labels()

@@ -232,7 +232,7 @@ class Settings:
     max_bytes: int = _setting(
         128 << 20,
         "--limits.bytes",
-        "most bytes all deployments take: the rendered exposition plus the ready responses as received",
+        "most bytes all deployments take: the rendered exposition, the ready responses as received and as JSON",
     )
     missed_heartbeats: int = _setting(
         3, "--expiry.missed-heartbeats", "a replica that promised heartbeats expires after missing this many"

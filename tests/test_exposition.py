@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from prometheus_client.registry import Collector
 
 from exporter.exposition import ReplicaLines
-from exporter.replicas import EngineReport, build_replica
+from exporter.replicas import build_replica, engine_report
 from exporter.series import FAMILIES, LIVENESS, replica_samples
 from protocol import decode_ready_response
 from tests.helpers.http import MSGPACK
@@ -234,7 +234,7 @@ def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding:
 
 def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() -> None:
     payload = fixture_bytes("hybrid-tp1-post50809")
-    report = EngineReport(0, 100.0, decode_ready_response(payload), payload, "msgpack")
+    report = engine_report(0, 100.0, decode_ready_response(payload), payload, "msgpack")
     replica = build_replica(("qwen", "a"), None, {}, None, 100.0, {0: report}, {})
     lines = ReplicaLines()
     before = lines.of(replica)
