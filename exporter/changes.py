@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from exporter.errors import Refused, UnknownReplica
+from exporter.errors import LimitExceeded, Refused, UnknownReplica
 from exporter.limits import ByteBudget, Limits
 from exporter.replicas import Replica, ReplicaKey, build_replica, engine_report, stored_engine, stored_replica
 from exporter.storage import Store, StoredEngine
@@ -106,29 +106,58 @@ def ready(
 
     As if each were taken in turn: a new ``instance_id`` drops the replica's previous run's engines (and no
     other replica's), a later response of an engine replaces an earlier one. A refused response changes
-    nothing and the next ones go on from the last accepted state.
+    nothing and the next ones go on from the last accepted state. The byte budget is checked on the replica
+    as it would be committed (one measure, however many engines came); only when that is past the budget are
+    the responses measured one by one, to refuse those that take it there.
     """
-    updated, size, writes, accepted = batch.get(key), None, [], 0
-    refused: dict[int, Exception] = {}
+    taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=False)
+    if taken.accepted and rules.budget is not None:
+        try:
+            taken.size = _measured(rules, batch, key, taken.updated)
+        except LimitExceeded:
+            taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=True)
+    if taken.accepted:
+        batch.stage(key, taken.updated, _save(taken.updated), *taken.writes, size=taken.size)
+        batch.counts["accepted"] += taken.accepted
+    return ReadyOutcome(taken.updated, taken.refused)
+
+
+@dataclass
+class _Taken:
+    """What a run over the responses took: the replica after the accepted ones, their writes and refusals."""
+
+    updated: Replica | None
+    size: int | None = None
+    writes: list[Callable[[Store], None]] = field(default_factory=list)
+    accepted: int = 0
+    refused: dict[int, Exception] = field(default_factory=dict)
+
+
+def _take(
+    rules: Rules,
+    batch: Batch,
+    key: ReplicaKey,
+    reports: Sequence[EngineReady],
+    heartbeat_seconds: float | None,
+    measure_each: bool,
+) -> _Taken:
+    taken = _Taken(batch.get(key))
     for report in reports:
         try:
-            base = _existing_or_room(rules, batch, key) if updated is None else updated
+            base = _existing_or_room(rules, batch, key) if taken.updated is None else taken.updated
             candidate, restarted = _with_engine(rules, key, base, report, heartbeat_seconds)
-            candidate_size = _measured(rules, batch, key, candidate)
+            size = _measured(rules, batch, key, candidate) if measure_each else None
         except (Refused, InvalidPayload) as error:
-            refused[report.engine] = error
+            taken.refused[report.engine] = error
             continue
-        updated, size, accepted = candidate, candidate_size, accepted + 1
-        refused.pop(report.engine, None)
+        taken.updated, taken.size, taken.accepted = candidate, size, taken.accepted + 1
+        taken.refused.pop(report.engine, None)
         if restarted:
-            writes.append(functools.partial(_delete_engines, key))
-        writes.append(
+            taken.writes.append(functools.partial(_delete_engines, key))
+        taken.writes.append(
             functools.partial(_save_engine, key, report.engine, stored_engine(candidate.engines[report.engine]))
         )
-    if accepted:
-        batch.stage(key, updated, _save(updated), *writes, size=size)
-        batch.counts["accepted"] += accepted
-    return ReadyOutcome(updated, refused)
+    return taken
 
 
 def _delete_engines(key: ReplicaKey, store: Store) -> None:

@@ -106,3 +106,19 @@ def test_two_changes_of_one_batch_are_refused_together_past_the_budget() -> None
     assert first.refused == {} and set(second.refused) == {1}  # r3's first engine fits, its second does not
     fleet.commit(batch)
     assert fleet.census.bytes == 300 == sum(measure(replica) for replica in fleet.replicas.values())
+
+
+def test_an_array_that_fits_is_measured_once_and_one_past_the_budget_is_refused_alone() -> None:
+    measured: list[int] = []
+
+    def counting(replica: Replica) -> int:
+        measured.append(len(replica.engines))
+        return measure(replica)
+
+    fleet = Fleet(Rules({}, Limits(bytes=1_000), Clock(1_800_000_000.0), Clock(0.0), ByteBudget(1_000, counting)))
+    assert push(fleet, KEY, *range(8)).refused == {}
+    assert measured == [8], "a DP=8 server's start is one measure, not one per engine"
+    outcome = push(fleet, ("d", "other"), 0, 1, 2)  # 300 more bytes of a budget with 200 left
+    assert set(outcome.refused) == {2} and refused_field(outcome) == "bytes"
+    assert set(fleet.replicas[("d", "other")].engines) == {0, 1}
+    assert fleet.census.bytes == 1_000

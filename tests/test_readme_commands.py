@@ -283,9 +283,9 @@ _README_NAME = re.compile(r"(?<=\s)cache-config-exporter(?=[\s:])")
 
 def own_names(script: str, name: str, port: int) -> str:
     """The README's Docker commands with this run's container, volume and image ``name`` and host ``port``."""
-    renamed = _README_NAME.sub(name, script).replace("10987:10987", f"127.0.0.1:{port}:10987")
+    renamed = _README_NAME.sub(name, script).replace("-p 10987:10987", f"-p 127.0.0.1:{port}:10987")
     renamed = renamed.replace("http://127.0.0.1:10987", f"http://127.0.0.1:{port}")
-    assert not _README_NAME.search(renamed) and "10987:10987" not in renamed
+    assert not _README_NAME.search(renamed) and "-p 10987:10987" not in renamed
     return renamed
 
 
@@ -297,6 +297,7 @@ def test_own_names_rename_every_docker_resource_and_no_path() -> None:
         assert renamed_use in renamed
     assert "/var/lib/cache-config-exporter" in renamed and "/etc/cache-config-exporter" in renamed
     assert "cache-config-exporter-base:bookworm" in renamed
+    assert "-p 127.0.0.1:40123:10987" in renamed and "chown 10987:10987" in renamed, "the port, not the owner"
 
 
 def test_the_systemd_token_folder_lets_the_service_user_read_its_token(tmp_path: Path) -> None:
