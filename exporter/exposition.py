@@ -6,22 +6,27 @@ Two formats, negotiated here alone: Prometheus text 0.0.4 and OpenMetrics
 
 The cache-config families (nearly all the bytes) are rendered here from the
 samples of ``exporter/series.py``, one replica at a time and once per change of it (replicas
-are immutable, so the lines are cached by identity); the body is joined, and
-for gzip compressed, once per state version. The families are gauges, whose
-lines are the same in both formats, so text and OpenMetrics share that part.
+are immutable, so the lines are cached by identity). A scrape sends them in
+chunks joined as they go, so no whole copy of the exposition is ever held;
+for gzip the config families (everything but last-seen and the heartbeat
+interval, which are last) are compressed once per change of any replica's
+config, and the liveness lines once per state version. The families are
+gauges, whose lines are the same in both formats, so text and OpenMetrics
+share that part.
 The exporter's own metrics follow, rendered by prometheus_client's encoder of
 the format from their registry (reused until a count changes, and at most a
 second: the process metrics read /proc). For gzip the compressor's state after
-the cached part is kept and copied, so each scrape compresses only the small
+each cached part is kept and copied, so each scrape compresses only the small
 tail yet sends one valid gzip stream.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
@@ -114,8 +119,16 @@ def _line(name: str, labels: Labels, value: float) -> str:
     return f"{name}{{{rendered}}} {floatToGoString(value)}\n"
 
 
+# A streamed body is sent in chunks of about this size: a scrape holds no joined copy of the exposition.
+CHUNK_BYTES = 1 << 18
+
+
 class ReplicaLines:
-    """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then join.
+    """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then send.
+
+    A replica's lines are two tuples of bytes, one per family: its config (all but the ``LIVENESS`` families)
+    and its liveness. ``generation`` counts the changes of the config lines of the fleet (a replica's config
+    rendered again, one gone): a cache of what they compress to is good while it stays.
 
     Called from the writer thread (the budget) and from the scrape's thread; a render lost to a race is only
     done again. The cache holds the replicas of the last scrape, and no others: each scrape drops those that
@@ -130,26 +143,39 @@ class ReplicaLines:
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
             for name, family in zip(self.names, FAMILIES, strict=True)
         )
-        self._rendered: dict[ReplicaKey, tuple[Replica, tuple[bytes, ...]]] = {}
+        self.generation = 0
+        self._generation_lock = threading.Lock()
+        self._rendered: dict[ReplicaKey, tuple[Replica, ReplicaPart]] = {}
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
-        """One replica's lines, a bytes string per family.
+        """One replica's lines, a bytes string per family."""
+        config, liveness = self.part(replica)
+        return config + liveness
+
+    def part(self, replica: Replica) -> ReplicaPart:
+        """One replica's (config, liveness) lines.
 
         A heartbeat replaces the replica but keeps its synced config and engines (the same objects): then only
-        the liveness lines (the last two families) are rendered again, so a fleet's heartbeats cost a scrape little.
+        the liveness lines are rendered again, so a fleet's heartbeats cost a scrape little.
         """
         cached = self._rendered.get(replica.key)
         if cached is not None and cached[0] is replica:
             return cached[1]
         if cached is not None and cached[0].synced is replica.synced and cached[0].engines is replica.engines:
-            lines = cached[1][: -len(LIVENESS)] + self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica))
+            part = (cached[1][0], self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica)))
         else:
-            lines = self._render(replica)
-        self._rendered[replica.key] = (replica, lines)
-        return lines
+            part = self._render(replica)
+            self._next_generation()  # before the part is cached: whoever finds it sees the new generation
+        self._rendered[replica.key] = (replica, part)
+        return part
 
-    def _render(self, replica: Replica) -> tuple[bytes, ...]:
-        return self._encode(self.names, replica_samples(replica, self.info_labels))
+    def _next_generation(self) -> None:
+        with self._generation_lock:  # from the writer and the scrape's threads: no increment is lost
+            self.generation += 1
+
+    def _render(self, replica: Replica) -> ReplicaPart:
+        lines = self._encode(self.names, replica_samples(replica, self.info_labels))
+        return lines[: -len(LIVENESS)], lines[-len(LIVENESS) :]
 
     @staticmethod
     def _encode(names: Sequence[str], samples_by_family: Sequence[list[Sample]]) -> tuple[bytes, ...]:
@@ -160,34 +186,96 @@ class ReplicaLines:
 
     def size(self, replica: Replica) -> int:
         """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
-        lines = self.of(replica) if replica.key in self._rendered else self._render(replica)
-        return sum(len(family) for family in lines)
+        config, liveness = self.part(replica) if replica.key in self._rendered else self._render(replica)
+        return sum(map(len, config)) + sum(map(len, liveness))
 
-    def body(self, replicas: Mapping[ReplicaKey, Replica]) -> bytes:
-        """The cache-config families of all ``replicas``; only called from one thread at a time."""
-        parts = [self.of(replicas[key]) for key in sorted(replicas)]
-        for key in [key for key in list(self._rendered) if key not in replicas]:
+    def fleet(self, replicas: Mapping[ReplicaKey, Replica]) -> FleetLines:
+        """The lines of all ``replicas`` in order; only called from one thread at a time."""
+        before = self.generation
+        parts = [self.part(replicas[key]) for key in sorted(replicas)]
+        gone = [key for key in list(self._rendered) if key not in replicas]
+        for key in gone:
             self._rendered.pop(key, None)
-        return b"".join(header + b"".join(part[index] for part in parts) for index, header in enumerate(self.headers))
+        if gone:
+            self._next_generation()
+        # A config rendered (by any thread) or a replica gone while the parts were taken: no generation names them.
+        return FleetLines(self.headers, parts, before if self.generation == before else -1)
+
+
+ReplicaPart = tuple[tuple[bytes, ...], tuple[bytes, ...]]
+
+
+class FleetLines:
+    """The cache-config families of a fleet, sent as chunks joined on demand (never one whole copy).
+
+    The config families come first and the liveness ones last, so the config part is a prefix of the body:
+    cached gzip-compressed while ``generation`` stays, whatever heartbeats change after it.
+    """
+
+    def __init__(self, headers: Sequence[bytes], parts: Sequence[ReplicaPart], generation: int) -> None:
+        self.headers = headers
+        self.parts = parts
+        self.generation = generation
+        config = sum(len(family) for part in parts for family in part[0])
+        liveness = sum(len(family) for part in parts for family in part[1])
+        self.length = sum(map(len, headers)) + config + liveness
+
+    def config_chunks(self) -> Iterator[bytes]:
+        return self._chunks(0, len(self.headers) - len(LIVENESS))
+
+    def liveness_chunks(self) -> Iterator[bytes]:
+        return self._chunks(1, len(LIVENESS))
+
+    def _chunks(self, side: int, families: int) -> Iterator[bytes]:
+        offset = 0 if side == 0 else len(self.headers) - families
+        group: list[bytes] = []
+        size = 0
+        for index in range(families):
+            header = self.headers[offset + index]
+            group.append(header)
+            size += len(header)
+            for part in self.parts:
+                lines = part[side][index]
+                group.append(lines)
+                size += len(lines)
+                if size >= CHUNK_BYTES:
+                    yield b"".join(group)
+                    group, size = [], 0
+        if group:
+            yield b"".join(group)
+
+
+class _Compressed:
+    """A gzip stream of the config families, and the compressor's state after them."""
+
+    def __init__(self, lines: FleetLines) -> None:
+        self.generation = lines.generation
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        self.prefix = b"".join([compressor.compress(chunk) for chunk in lines.config_chunks()])
+        self.compressor = compressor
 
 
 class _Rendered:
-    """The cache-config part of one state version, plain and (on first demand) gzip-compressed."""
+    """One state version's lines, and (on first demand) the gzip stream of them up to the exporter's metrics."""
 
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self._gzip: tuple[bytes, zlib._Compress] | None = None
+    def __init__(self, lines: FleetLines) -> None:
+        self.lines = lines
+        self._gzip: tuple[bytes, bytes, zlib._Compress] | None = None
         self._lock = threading.Lock()
 
     @property
     def has_gzip(self) -> bool:
         return self._gzip is not None
 
-    def gzip_prefix(self) -> tuple[bytes, zlib._Compress]:
+    def gzip(self, config: Callable[[FleetLines], _Compressed]) -> tuple[bytes, bytes, zlib._Compress]:
+        """The compressed config part (shared across versions), this version's compressed liveness part, and
+        the compressor after both."""
         with self._lock:
             if self._gzip is None:
-                compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-                self._gzip = (compressor.compress(self.body), compressor)
+                compressed = config(self.lines)
+                compressor = compressed.compressor.copy()
+                liveness = b"".join([compressor.compress(chunk) for chunk in self.lines.liveness_chunks()])
+                self._gzip = (compressed.prefix, liveness, compressor)
             return self._gzip
 
 
@@ -200,13 +288,21 @@ class Exposition:
         self._state = state
         self._registry = registry
         self._telemetry = telemetry
-        self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.body(replicas)))
+        self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.fleet(replicas)))
+        self._compressed: _Compressed | None = None
         self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
 
     def is_fresh(self, gzip: bool) -> bool:
-        """True when ``render`` will neither re-render nor compress the large part (cheap on the event loop)."""
+        """True when ``render`` will neither render nor compress the large part (cheap on the event loop)."""
         rendered = self._rendered.fresh()
         return rendered is not None and (rendered.has_gzip or not gzip)
+
+    def _config_gzip(self, lines: FleetLines) -> _Compressed:
+        """The compressed config part, again only when the fleet's config lines changed (under a version's lock)."""
+        compressed = self._compressed
+        if compressed is None or compressed.generation != lines.generation or lines.generation < 0:
+            compressed = self._compressed = _Compressed(lines)
+        return compressed
 
     def _own_metrics(self, served: Format) -> bytes:
         """The registry in ``served``'s format, without its end marker."""
@@ -218,13 +314,16 @@ class Exposition:
             self._self_metrics[served] = cached
         return cached[1]
 
-    def render(self, accept: str, gzip: bool) -> tuple[Sequence[bytes], str]:
-        """The body (as chunks to send in order) and its content type."""
+    def render(self, accept: str, gzip: bool) -> tuple[Iterable[bytes], int, str]:
+        """The body (chunks to send in order, joined as they are sent), its length and its content type."""
         served = negotiate(accept)
         rendered = self._rendered.current()
         tail = self._own_metrics(served) + served.end
         if not gzip:
-            return (rendered.body, tail), served.content_type
-        prefix, compressor = rendered.gzip_prefix()
+            lines = rendered.lines
+            chunks = itertools.chain(lines.config_chunks(), lines.liveness_chunks(), (tail,))
+            return chunks, lines.length + len(tail), served.content_type
+        prefix, liveness, compressor = rendered.gzip(self._config_gzip)
         finish = compressor.copy()
-        return (prefix, finish.compress(tail) + finish.flush()), served.content_type
+        body = (prefix, liveness, finish.compress(tail) + finish.flush())
+        return body, sum(map(len, body)), served.content_type

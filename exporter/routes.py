@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
@@ -227,18 +227,24 @@ async def _shown(replica: Replica) -> Response:
 
 
 class ChunkedBody(Response):
-    """A response sent as several chunks with one ``Content-Length``: large cached parts are never copied."""
+    """A response sent as several chunks with one ``Content-Length``: large cached parts are never copied, and
+    chunks joined as they are sent (``length`` given) are never all held at once."""
 
-    def __init__(self, chunks: Sequence[bytes], media_type: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self, chunks: Iterable[bytes], media_type: str, headers: dict[str, str], length: int | None = None
+    ) -> None:
         super().__init__(b"", media_type=media_type, headers=headers)
+        if length is None:
+            chunks = tuple(chunks)
+            length = sum(map(len, chunks))
         self.chunks = chunks
-        self.headers["content-length"] = str(sum(len(chunk) for chunk in chunks))
+        self.headers["content-length"] = str(length)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        last = len(self.chunks) - 1
-        for index, chunk in enumerate(self.chunks):
-            await send({"type": "http.response.body", "body": chunk, "more_body": index < last})
+        for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _current(request: Request) -> Exporter:
@@ -454,13 +460,13 @@ async def get_metrics(request: Request) -> Response:
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
     exposition = exporter.exposition
     if exposition.is_fresh(gzip):
-        chunks, content_type = exposition.render(accept, gzip)
+        chunks, length, content_type = exposition.render(accept, gzip)
     else:
-        chunks, content_type = await run_in_threadpool(exposition.render, accept, gzip)
+        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip)
     headers = {"Vary": "Accept, Accept-Encoding"}
     if gzip:
         headers["Content-Encoding"] = "gzip"
-    return ChunkedBody(chunks, content_type, headers)
+    return ChunkedBody(chunks, content_type, headers, length)
 
 
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"

@@ -63,7 +63,7 @@ class ExporterState:
 
         try:
             self._writer = Writer(
-                store, load, changes.Expiry(self._rules), committed, budget.measure if budget else None
+                store, load, changes.Expiry(self._rules), committed, budget.measure if budget else None, shared_store
             )
         except (StorageUnavailable, InvalidPayload, msgspec.DecodeError) as error:
             raise StorageError(f"cannot load storage {store.path}: {error}") from None

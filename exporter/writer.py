@@ -22,6 +22,7 @@ probes it to notice recovery.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from exporter.errors import Refused, StorageUnavailable
@@ -180,7 +182,9 @@ class Writer:
     """Commits changes on its own thread; ``replicas`` is the last committed state.
 
     ``load`` reads the whole state from the store; ``measure`` what a replica takes for the byte budget (``None``:
-    no budget); ``committed`` hears the counts of each committed batch.
+    no budget); ``committed`` hears the counts of each committed batch. ``shared``: other processes write the
+    store too, so every batch looks for their commits; else a batch that writes nothing (heartbeats kept in
+    memory) touches no SQLite at all.
     """
 
     def __init__(
@@ -190,8 +194,10 @@ class Writer:
         housekeeping: Housekeeping,
         committed: Callable[[Counter[str]], None],
         measure: Callable[[Replica], int] | None = None,
+        shared: bool = False,
     ) -> None:
         self._store = store
+        self._shared = shared
         self._load = load
         self._housekeeping = housekeeping
         self._committed = committed
@@ -255,8 +261,8 @@ class Writer:
         outcomes: list[tuple[Future[object], object, BaseException | None]] = []
         writing = housekeeping or checkpoint or any(writes for _, _, writes in jobs)
         try:
-            with self._store.transaction() if writing else self._store.read_transaction():
-                if self._store.changed_elsewhere():
+            with self._transaction(writing):
+                if self._shared and self._store.changed_elsewhere():
                     current = self._load()
                     census = Census(current, self._measure)
                 else:
@@ -314,6 +320,13 @@ class Writer:
                 future.set_result(result)
             else:
                 future.set_exception(refused)
+
+    def _transaction(self, writing: bool) -> AbstractContextManager[None]:
+        """A write transaction; for a batch that only reads, a read one when other processes write the store (it
+        sees their commits), else none: this process's memory is the whole state."""
+        if writing:
+            return self._store.transaction()
+        return self._store.read_transaction() if self._shared else contextlib.nullcontext()
 
     def _last_seen(self, batch: Batch) -> list[LastSeen]:
         """The rows of a checkpoint: every replica whose last seen is in memory only, as this batch leaves it."""

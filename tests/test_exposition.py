@@ -18,8 +18,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
 
-from exporter.exposition import ReplicaLines
-from exporter.replicas import build_replica, engine_report
+from exporter import exposition
+from exporter.exposition import FleetLines, ReplicaLines
+from exporter.replicas import Replica, build_replica, engine_report
 from exporter.series import FAMILIES, LIVENESS, replica_samples
 from protocol import decode_ready_response
 from tests.helpers.http import MSGPACK
@@ -244,9 +245,66 @@ def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() 
     assert after == ReplicaLines().of(alive), "the same lines as a fresh render"
     kept = len(FAMILIES) - len(LIVENESS)
     assert all(new is old for new, old in zip(after[:kept], before[:kept], strict=True)), "not rendered again"
-    body = lines.body({alive.key: alive}).decode()
+    fleet = lines.fleet({alive.key: alive})
+    body = b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()]).decode()
     assert 'cache_config_last_seen_timestamp_seconds{deployment="qwen",replica="a"} 160.0' in body
     assert 'cache_config_heartbeat_interval_seconds{deployment="qwen",replica="a"} 30.0' in body
     # A change of the engines renders everything again.
     pushed = build_replica(("qwen", "a"), None, {}, 30.0, 170.0, {0: report, 1: report}, {})
     assert lines.of(pushed) == ReplicaLines().of(pushed)
+
+
+def _replica(name: str, engines: int, last_seen: float = 100.0) -> Replica:
+    payload = fixture_bytes("hybrid-tp1-post50809")
+    report = engine_report(0, 100.0, decode_ready_response(payload), payload, "msgpack")
+    return build_replica(("qwen", name), None, {}, 30.0, last_seen, dict.fromkeys(range(engines), report), {})
+
+
+def _sent(fleet: FleetLines) -> bytes:
+    return b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()])
+
+
+def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The body is joined chunk by chunk as it is sent: however it is cut, it is the whole exposition, in order."""
+    replicas = {replica.key: replica for replica in (_replica("b", 2), _replica("a", 1), _replica("c", 3))}
+    whole = _sent(ReplicaLines().fleet(replicas))
+    monkeypatch.setattr(exposition, "CHUNK_BYTES", 64)
+    fleet = ReplicaLines().fleet(replicas)
+    chunks = [*fleet.config_chunks(), *fleet.liveness_chunks()]
+    assert len(chunks) > len(FAMILIES), "cut within the families"
+    assert b"".join(chunks) == whole and fleet.length == len(whole)
+    text = whole.decode()
+    assert text.index('replica="a"') < text.index('replica="b"') < text.index('replica="c"')
+    assert text.rindex("cache_config_last_seen_timestamp_seconds") > text.rindex("cache_config_info{")
+
+
+def test_the_config_generation_moves_with_a_config_or_a_replica_gone_never_with_a_heartbeat() -> None:
+    """The compressed config part is reused while the generation stays: a heartbeat must keep it, anything that
+    changes a config line must not."""
+    lines = ReplicaLines()
+    a, b = _replica("a", 1), _replica("b", 1)
+    assert lines.fleet({a.key: a, b.key: b}).generation == -1, "rendered while the parts were taken"
+    generation = lines.fleet({a.key: a, b.key: b}).generation
+    assert generation != -1
+    alive = msgspec.structs.replace(a, last_seen=190.0)
+    assert lines.fleet({a.key: alive, b.key: b}).generation == generation
+    pushed = _replica("a", 2, 200.0)
+    assert lines.fleet({a.key: pushed, b.key: b}).generation == -1
+    pushed_generation = lines.fleet({a.key: pushed, b.key: b}).generation
+    assert pushed_generation not in (generation, -1)
+    assert lines.fleet({a.key: pushed}).generation == -1, "b left"
+    assert lines.fleet({a.key: pushed}).generation not in (generation, pushed_generation, -1)
+
+
+def test_a_gzip_scrape_after_heartbeats_shows_their_last_seen(loaded: TestClient) -> None:
+    """The cached compressed config part is followed by liveness lines of this very state."""
+    gzip_headers = {"Accept-Encoding": "gzip"}
+    get_raw(loaded, gzip_headers)  # the config part compressed and cached
+    for interval in (40, 50):
+        response = loaded.post(f"/api/v1/deployments/qwen/heartbeat?interval={interval}")
+        assert response.status_code == 204, response.text
+        zipped = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
+        plain = cache_config_series(parse_text(get_raw(loaded, {})[1].decode()))
+        assert zipped == plain
+        assert ("cache_config_heartbeat_interval_seconds", (("deployment", "qwen"), ("replica", "default")),
+                float(interval)) in zipped  # fmt: skip
