@@ -205,7 +205,7 @@ def run_server(
     result: dict[str, Any] = {"empty_rss_mb": rss_mb(server.pid)}
     print(f"bench --fleet: {work.kind}, {len(names)} replicas: fill", file=sys.stderr, flush=True)
     result["fill"] = _fill(server, names, work, fill_budget)
-    _scrape_once(server)  # as Prometheus would have meanwhile: the idle phase starts from a rendered exposition
+    _scrape_once(server, "gzip")  # as Prometheus would have meanwhile: idle starts from a rendered exposition
     phases = {
         "idle": ([], IDLE_SECONDS, PROBE_SCRAPE_SECONDS),
         "heartbeats": (heartbeats(names, work, phase_seconds), phase_seconds, PROMETHEUS_SCRAPE_SECONDS),
@@ -237,10 +237,10 @@ def _pushgateway(workdir: Path, binary: str) -> Iterator[Server]:
         yield server
 
 
-def _scrape_once(server: Server) -> bytes:
+def _scrape_once(server: Server, scrape_format: str = "text") -> bytes:
     client = Client(server.port)
     try:
-        return client.scrape()
+        return client.scrape(scrape_format=scrape_format)
     finally:
         client.close()
 

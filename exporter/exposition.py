@@ -123,6 +123,18 @@ def _line(name: str, labels: Labels, value: float) -> str:
 CHUNK_BYTES = 1 << 18
 
 
+class ReplicaPart(NamedTuple):
+    """A replica's lines, a bytes string per family: its config, its liveness, and their bytes in all."""
+
+    config: tuple[bytes, ...]
+    liveness: tuple[bytes, ...]
+    size: int
+
+    @classmethod
+    def of(cls, config: tuple[bytes, ...], liveness: tuple[bytes, ...]) -> ReplicaPart:
+        return cls(config, liveness, sum(map(len, config)) + sum(map(len, liveness)))
+
+
 class ReplicaLines:
     """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then send.
 
@@ -149,8 +161,8 @@ class ReplicaLines:
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
         """One replica's lines, a bytes string per family."""
-        config, liveness = self.part(replica)
-        return config + liveness
+        part = self.part(replica)
+        return part.config + part.liveness
 
     def part(self, replica: Replica) -> ReplicaPart:
         """One replica's (config, liveness) lines.
@@ -162,7 +174,9 @@ class ReplicaLines:
         if cached is not None and cached[0] is replica:
             return cached[1]
         if cached is not None and cached[0].synced is replica.synced and cached[0].engines is replica.engines:
-            part = (cached[1][0], self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica)))
+            part = ReplicaPart.of(
+                cached[1].config, self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica))
+            )
         else:
             part = self._render(replica)
             self._next_generation()  # before the part is cached: whoever finds it sees the new generation
@@ -175,7 +189,7 @@ class ReplicaLines:
 
     def _render(self, replica: Replica) -> ReplicaPart:
         lines = self._encode(self.names, replica_samples(replica, self.info_labels))
-        return lines[: -len(LIVENESS)], lines[-len(LIVENESS) :]
+        return ReplicaPart.of(lines[: -len(LIVENESS)], lines[-len(LIVENESS) :])
 
     @staticmethod
     def _encode(names: Sequence[str], samples_by_family: Sequence[list[Sample]]) -> tuple[bytes, ...]:
@@ -186,8 +200,7 @@ class ReplicaLines:
 
     def size(self, replica: Replica) -> int:
         """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
-        config, liveness = self.part(replica) if replica.key in self._rendered else self._render(replica)
-        return sum(map(len, config)) + sum(map(len, liveness))
+        return (self.part(replica) if replica.key in self._rendered else self._render(replica)).size
 
     def fleet(self, replicas: Mapping[ReplicaKey, Replica]) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time."""
@@ -202,9 +215,6 @@ class ReplicaLines:
         return FleetLines(self.headers, parts, before if self.generation == before else -1)
 
 
-ReplicaPart = tuple[tuple[bytes, ...], tuple[bytes, ...]]
-
-
 class FleetLines:
     """The cache-config families of a fleet, sent as chunks joined on demand (never one whole copy).
 
@@ -216,9 +226,7 @@ class FleetLines:
         self.headers = headers
         self.parts = parts
         self.generation = generation
-        config = sum(len(family) for part in parts for family in part[0])
-        liveness = sum(len(family) for part in parts for family in part[1])
-        self.length = sum(map(len, headers)) + config + liveness
+        self.length = sum(map(len, headers)) + sum(part.size for part in parts)
 
     def config_chunks(self) -> Iterator[bytes]:
         return self._chunks(0, len(self.headers) - len(LIVENESS))
