@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -215,19 +216,26 @@ def heartbeat(rules: Rules, batch: Batch, key: ReplicaKey, heartbeat_seconds: fl
 
     Raises ``UnknownReplica`` when the exporter does not hold it (a new or restarted exporter): the sender then
     sends its whole state again. Only "last seen" and the promise change: kept in memory until the writer's
-    next checkpoint, unless the store is shared (``Rules.store_heartbeats``).
+    next checkpoint, unless the store is shared (``Rules.store_heartbeats``). In a single process heartbeats
+    take the quicker way of ``Liveness.hear`` instead.
     """
     current = batch.get(key)
     if current is None:
-        raise UnknownReplica("replica", f"no replica {key[1]!r} of {key[0]!r}: send its state")
-    updated = msgspec.structs.replace(
-        current, heartbeat_seconds=heartbeat_seconds, last_seen=rules.wall(), seen=rules.monotonic()
-    )
+        raise unknown_replica(key)
+    updated = _alive(current, heartbeat_seconds, rules.wall(), rules.monotonic())
     if rules.store_heartbeats:
         batch.stage(key, updated, _save(updated))
     else:
         batch.touch(key, updated)
     return updated
+
+
+def unknown_replica(key: ReplicaKey) -> UnknownReplica:
+    return UnknownReplica("replica", f"no replica {key[1]!r} of {key[0]!r}: send its state")
+
+
+def _alive(replica: Replica, heartbeat_seconds: float, wall: float, monotonic: float) -> Replica:
+    return msgspec.structs.replace(replica, heartbeat_seconds=heartbeat_seconds, last_seen=wall, seen=monotonic)
 
 
 def goodbye(batch: Batch, key: ReplicaKey) -> bool:
@@ -267,10 +275,17 @@ def deadline(rules: Rules, replica: Replica) -> float | None:
     return replica.seen + replica.heartbeat_seconds * rules.missed_heartbeats
 
 
-class Expiry:
-    """When to look for replicas whose heartbeats stopped, without a look at every replica every second.
+class Liveness:
+    """Heartbeats heard, and when to look for replicas whose heartbeats stopped.
 
-    It keeps a lower bound of the earliest deadline: a deadline moves later with each heartbeat, and one that
+    A heartbeat changes only "last seen", which stays in memory until a checkpoint anyway: so in a single
+    process it needs no turn of the writer of its own. ``hear`` records it (a dict write under a lock) and the
+    request is answered at once; every batch ``fold``s what was heard before anything else, so expiry, the
+    checkpoint and the next read see it. What was heard is forgotten only once a batch that folded it is
+    committed (a failed batch leaves it for the next). A replica gone meanwhile takes no heartbeat (its
+    sender's next one is told to send its state).
+
+    Expiry keeps a lower bound of the earliest deadline: a deadline moves later with each heartbeat, and one that
     comes sooner (a new replica, a shorter promise) is heard of as it is committed. Only once the bound has
     passed are all replicas looked at (and the bound taken again from them): with 30 s heartbeats about once
     a minute rather than once a second.
@@ -279,9 +294,31 @@ class Expiry:
     def __init__(self, rules: Rules) -> None:
         self._rules = rules
         self._earliest = -math.inf  # unknown: look
+        self._heard: dict[ReplicaKey, tuple[float, float, float]] = {}
+        self._folded: dict[ReplicaKey, tuple[float, float, float]] = {}
+        self._lock = threading.Lock()
+
+    def hear(self, key: ReplicaKey, heartbeat_seconds: float) -> None:
+        """A heartbeat of a replica the state holds; the next batch folds it in."""
+        heard = (heartbeat_seconds, self._rules.wall(), self._rules.monotonic())
+        with self._lock:
+            self._heard[key] = heard
+
+    def pending(self) -> bool:
+        """Whether heartbeats wait to be folded in and committed."""
+        return bool(self._heard)
+
+    def fold(self, batch: Batch) -> None:
+        """Stage the heartbeats heard and not yet committed, kept in memory as ``heartbeat`` keeps them."""
+        with self._lock:
+            self._folded = dict(self._heard)
+        for key, (heartbeat_seconds, wall, monotonic) in self._folded.items():
+            current = batch.get(key)
+            if current is not None:
+                batch.touch(key, _alive(current, heartbeat_seconds, wall, monotonic))
 
     def due(self, replicas: Mapping[ReplicaKey, Replica]) -> bool:
-        """Whether any replica's heartbeats stopped."""
+        """Whether any replica's heartbeats stopped (or one heard may have: its batch folds it in first)."""
         now = self._rules.monotonic()
         if now <= self._earliest:
             return False
@@ -294,6 +331,11 @@ class Expiry:
 
     def committed(self, changed: Mapping[ReplicaKey, Replica | None], reloaded: bool) -> None:
         """Hear of committed changes; ``reloaded``: the replicas were loaded again (another process wrote)."""
+        with self._lock:  # what the batch folded is in: forget it, unless heard again since
+            for key, heard in self._folded.items():
+                if self._heard.get(key) is heard:
+                    del self._heard[key]
+            self._folded = {}
         if reloaded:
             self._earliest = -math.inf
             return

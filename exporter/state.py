@@ -62,8 +62,9 @@ class ExporterState:
             )
 
         try:
+            self._liveness = changes.Liveness(self._rules)
             self._writer = Writer(
-                store, load, changes.Expiry(self._rules), committed, budget.measure if budget else None, shared_store
+                store, load, self._liveness, committed, budget.measure if budget else None, shared_store
             )
         except (StorageUnavailable, InvalidPayload, msgspec.DecodeError) as error:
             raise StorageError(f"cannot load storage {store.path}: {error}") from None
@@ -140,13 +141,24 @@ class ExporterState:
         """Replace a replica's static labels (its frontend's ``metrics_info()``), creating it if needed."""
         return self._submit(changes.static_labels, key, static_labels, heartbeat_seconds)
 
-    def heartbeat(self, key: ReplicaKey, heartbeat_seconds: float) -> Future[object]:
+    def heartbeat(self, key: ReplicaKey, heartbeat_seconds: float) -> Future[object] | None:
         """The replica is alive and promises the next heartbeat within ``heartbeat_seconds``.
 
-        The future fails with ``UnknownReplica`` when the exporter does not hold it
-        (a new or restarted exporter): the sender then sends its whole state again.
+        Refused with ``UnknownReplica`` when the exporter does not hold it (a new or restarted exporter): the
+        sender then sends its whole state again. In a single process it is heard at once (``None``) and folded
+        into the next batch (``settled``); with a shared store it is committed, and the future tells when.
         """
-        return self._submit(changes.heartbeat, key, heartbeat_seconds, writes=self._rules.store_heartbeats)
+        if self._rules.store_heartbeats:
+            return self._submit(changes.heartbeat, key, heartbeat_seconds)
+        if key not in self._writer.replicas:
+            raise changes.unknown_replica(key)
+        self._liveness.hear(key, heartbeat_seconds)
+        return None
+
+    def settled(self) -> Future[object] | None:
+        """``None`` when every heartbeat heard is in the state; else a future done once they are (a read waits
+        for it, so it shows what was answered)."""
+        return self._writer.submit(_nothing, writes=False) if self._liveness.pending() else None
 
     def delete_replica(self, key: ReplicaKey) -> Future[object]:
         """Forget a replica (its sender said goodbye); the future's result says whether there was one."""
@@ -163,6 +175,10 @@ class ExporterState:
     def _submit(self, rule: Callable[..., object], *arguments: object, writes: bool = True) -> Future[object]:
         """Submit ``rule(rules, batch, *arguments)``; ``writes=False`` for a rule that never writes to the store."""
         return self._writer.submit(lambda batch: rule(self._rules, batch, *arguments), writes)
+
+
+def _nothing(batch: Batch) -> None:
+    """A change that changes nothing: its batch folds in what was heard."""
 
 
 T = TypeVar("T")

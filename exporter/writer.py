@@ -170,9 +170,12 @@ def _catch_up(batch: Batch) -> None:
 
 
 class Housekeeping(Protocol):
-    """Changes due without a request (heartbeat expiry); asked at most once per ``HOUSEKEEPING_SECONDS``, and told
-    of every commit (``reloaded``: the replicas were loaded again from the store)."""
+    """Changes due without a request: what was heard outside the queue (heartbeats), folded first into every
+    batch and within ``HOUSEKEEPING_SECONDS`` when idle; heartbeat expiry, asked at most once per
+    ``HOUSEKEEPING_SECONDS``; told of every commit (``reloaded``: the replicas were loaded again from the store)."""
 
+    def pending(self) -> bool: ...
+    def fold(self, batch: Batch) -> None: ...
     def due(self, replicas: Replicas) -> bool: ...
     def run(self, batch: Batch) -> None: ...
     def committed(self, changed: Mapping[ReplicaKey, Replica | None], reloaded: bool) -> None: ...
@@ -242,7 +245,7 @@ class Writer:
             except queue.Empty:
                 due = self._housekeeping_is_due()
                 checkpoint = self._checkpoint_is_due()
-                if self.storage_error or due or checkpoint:
+                if self.storage_error or due or checkpoint or self._housekeeping.pending():
                     self._commit([], due, checkpoint)
                 continue
             jobs = [first]
@@ -268,6 +271,7 @@ class Writer:
                 else:
                     current, census = self.replicas, self._census
                 batch = Batch(current, census)
+                self._housekeeping.fold(batch)
                 if housekeeping:
                     self._housekeeping.run(batch)
                 for change, future, _ in jobs:
@@ -307,10 +311,10 @@ class Writer:
             self._next_checkpoint = time.monotonic() + CHECKPOINT_SECONDS
         else:
             self._unsaved.update(batch.touched)
+        self._housekeeping.committed(batch.changed, reloaded=current is not self.replicas)
         if current is not self.replicas or batch.changed:
             census.apply(batch)
             self._census = census
-            self._housekeeping.committed(batch.changed, reloaded=current is not self.replicas)
             self.replicas = current.with_changes(batch.changed)
             self.version += 1
         if batch.counts:

@@ -35,6 +35,7 @@ MUTATIONS: list[tuple[str, str, dict[str, str] | None, bytes]] = [
     ("ingest", "POST", MSGPACK, BODY),
     ("default ingest", "POST", MSGPACK, BODY),
     ("static config", "PUT", {"Content-Type": "application/json"}, b'{"mamba_cache_mode": "align"}'),
+    ("heartbeat", "POST", None, b""),
     ("forget engine", "DELETE", None, b""),
     ("forget deployment", "DELETE", None, b""),
 ]
@@ -42,6 +43,7 @@ PATHS = {
     "ingest": "/api/v1/deployments/guarded/ready",
     "default ingest": "/api/v1/ready",
     "static config": "/api/v1/deployments/guarded/cache-config",
+    "heartbeat": "/api/v1/deployments/guarded/heartbeat?interval=30",
     "forget engine": "/api/v1/deployments/guarded/engines/0",
     "forget deployment": "/api/v1/deployments/guarded",
 }

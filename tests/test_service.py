@@ -187,6 +187,12 @@ BAD_REQUESTS = [
     ("negative engine query", "POST", READY + "?engine=-1", fixture_bytes("minimal-pre42967"), MSGPACK, 422,
      "query.engine"),
     ("heartbeat without interval", "POST", "/api/v1/deployments/qwen/heartbeat", b"", {}, 422, "query.interval"),
+    ("heartbeat of no interval", "POST", "/api/v1/deployments/qwen/heartbeat?interval=0", b"", {}, 422,
+     "query.interval"),
+    ("heartbeat of a wrong replica name", "POST", "/api/v1/deployments/qwen/heartbeat?interval=30&replica=a%20b",
+     b"", {}, 422, "query.replica"),
+    ("quote in deployment of a heartbeat", "POST", '/api/v1/deployments/a"b/heartbeat?interval=30', b"", {}, 422,
+     "deployment"),
     ("ready response missing a required field", "POST", READY, b'{"max_model_len": 8}',
      {"Content-Type": "application/json"}, 422, "$.num_gpu_blocks"),
     ("quote in deployment", "POST", '/api/v1/deployments/a"b/ready', fixture_bytes("dense-post50809"), MSGPACK, 422,
@@ -251,7 +257,9 @@ def test_rejections_and_acceptances_are_counted_by_reason(client: TestClient) ->
 
 
 def test_unknown_routes_and_deployments_are_problems_too(client: TestClient) -> None:
-    for response in (client.get("/nope"), client.get("/api/v1/deployments/ghost"), client.put(READY)):
+    heartbeat = "/api/v1/deployments/qwen/heartbeat?interval=30"
+    for response in (client.get("/nope"), client.get("/api/v1/deployments/ghost"), client.put(READY),
+                     client.put(heartbeat), client.post("/api/v1/deployments//heartbeat?interval=30")):  # fmt: skip
         assert response.status_code in (404, 405)
         assert response.headers["content-type"] == "application/problem+json"
 

@@ -47,7 +47,7 @@ def test_a_push_without_heartbeat_keeps_the_replicas_earlier_promise(fleet: Flee
 def test_a_push_without_heartbeat_to_a_new_replica_never_expires(fleet: Fleet, monotonic: Clock) -> None:
     fleet.ready(KEY, ready(0))
     monotonic.now += 10 * 86400
-    assert not fleet.expiry.due(fleet.replicas)
+    assert not fleet.liveness.due(fleet.replicas)
 
 
 def test_a_heartbeat_for_an_unknown_replica_is_refused_so_its_sender_resends(fleet: Fleet) -> None:
@@ -198,10 +198,10 @@ def test_a_replica_expires_after_its_missed_heartbeats_and_not_a_moment_before(f
     fleet.ready(KEY, ready(0), heartbeat=10.0)
     fleet.ready(("d", "forever"), ready(0))
     monotonic.now += 30.0  # exactly 3 x 10 s: still within its promise
-    assert not fleet.expiry.due(fleet.replicas)
+    assert not fleet.liveness.due(fleet.replicas)
     assert expired(fleet) == set()
     monotonic.now += 0.001
-    assert fleet.expiry.due(fleet.replicas)
+    assert fleet.liveness.due(fleet.replicas)
     assert expired(fleet) == {KEY}
     assert fleet.store.calls[-1] == ("delete_replica", KEY)
     assert set(fleet.replicas) == {("d", "forever")}
@@ -211,17 +211,17 @@ def test_expiry_looks_at_every_replica_only_once_the_earliest_deadline_may_have_
     fleet: Fleet, monotonic: Clock
 ) -> None:
     fleet.ready(KEY, ready(0), heartbeat=10.0)
-    assert not fleet.expiry.due(fleet.replicas)  # looks: the earliest deadline is in 30 s
+    assert not fleet.liveness.due(fleet.replicas)  # looks: the earliest deadline is in 30 s
     monotonic.now += 20.0
-    assert not fleet.expiry.due(NoWalk(fleet.replicas))
+    assert not fleet.liveness.due(NoWalk(fleet.replicas))
     fleet.ready(("d", "hasty"), ready(0), heartbeat=1.0)  # committed: its deadline is heard of
     monotonic.now += 3.5
-    assert fleet.expiry.due(fleet.replicas)
+    assert fleet.liveness.due(fleet.replicas)
     assert expired(fleet) == {("d", "hasty")}
-    assert not fleet.expiry.due(fleet.replicas)  # the earliest deadline is KEY's again, 6.5 s ahead
-    fleet.expiry.committed({}, reloaded=True)  # another process wrote: look again
+    assert not fleet.liveness.due(fleet.replicas)  # the earliest deadline is KEY's again, 6.5 s ahead
+    fleet.liveness.committed({}, reloaded=True)  # another process wrote: look again
     with pytest.raises(AssertionError, match="walked"):
-        fleet.expiry.due(NoWalk(fleet.replicas))
+        fleet.liveness.due(NoWalk(fleet.replicas))
 
 
 def test_a_heartbeat_moves_the_deadline(fleet: Fleet, monotonic: Clock) -> None:
@@ -232,6 +232,49 @@ def test_a_heartbeat_moves_the_deadline(fleet: Fleet, monotonic: Clock) -> None:
     assert expired(fleet) == set()
     monotonic.now += 1.5
     assert expired(fleet) == {KEY}
+
+
+def test_a_heard_heartbeat_counts_from_when_it_was_heard_and_keeps_its_replica_from_expiry(
+    fleet: Fleet, wall: Clock, monotonic: Clock
+) -> None:
+    fleet.ready(KEY, ready(0), heartbeat=10.0)
+    monotonic.now += 25.0
+    wall.now += 25.0
+    fleet.liveness.hear(KEY, 10.0)
+    heard_at = wall.now
+    assert fleet.liveness.pending() and fleet.replicas[KEY].last_seen < heard_at  # answered, not yet folded
+    monotonic.now += 6.0  # past the old deadline, within the heard one
+    wall.now += 6.0
+    assert fleet.liveness.due(fleet.replicas)
+    assert expired(fleet) == set(), "the batch folds what was heard before it expires"
+    assert fleet.replicas[KEY].last_seen == heard_at and not fleet.liveness.pending()
+    monotonic.now += 24.5
+    assert expired(fleet) == {KEY}
+
+
+def test_what_was_heard_stays_pending_until_a_batch_that_folded_it_commits(fleet: Fleet) -> None:
+    fleet.ready(KEY, ready(0), heartbeat=10.0)
+    fleet.liveness.hear(KEY, 10.0)
+    fleet.batch()  # folded, then failed: never committed
+    assert fleet.liveness.pending()
+    batch = fleet.batch()
+    fleet.liveness.hear(KEY, 20.0)  # heard again while the batch runs
+    fleet.commit(batch)
+    assert fleet.replicas[KEY].heartbeat_seconds == 10.0 and fleet.liveness.pending()
+    fleet.commit(fleet.batch())
+    assert fleet.replicas[KEY].heartbeat_seconds == 20.0 and not fleet.liveness.pending()
+
+
+def test_a_heartbeat_heard_for_a_replica_gone_since_is_dropped(fleet: Fleet) -> None:
+    fleet.ready(KEY, ready(0), heartbeat=10.0)
+    fleet.liveness.hear(KEY, 10.0)
+    batch = fleet.batch()
+    assert changes.goodbye(batch, KEY) is True
+    fleet.commit(batch)
+    fleet.liveness.hear(KEY, 10.0)  # the route checked an older snapshot
+    batch = fleet.batch()
+    fleet.commit(batch)
+    assert KEY not in fleet.replicas and not batch.changed and not fleet.liveness.pending()
 
 
 def test_a_replica_changed_in_the_batch_of_its_expiry_stays(fleet: Fleet, monotonic: Clock) -> None:
@@ -248,7 +291,7 @@ def test_a_wall_clock_step_forward_does_not_expire_live_replicas(fleet: Fleet, w
     fleet.ready(KEY, ready(0), heartbeat=30.0)
     wall.now += 120.0  # libfaketime's +120 s: the wall clock alone moves
     monotonic.now += 2.5
-    assert not fleet.expiry.due(fleet.replicas)
+    assert not fleet.liveness.due(fleet.replicas)
     fleet.run(changes.heartbeat, KEY, 30.0)
     assert KEY in fleet.replicas
 

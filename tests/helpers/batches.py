@@ -60,17 +60,20 @@ class Fleet:
         self.replicas = ReplicaMap()
         measure = rules.budget.measure if rules.budget else None
         self.census = Census(self.replicas, measure)
-        self.expiry = changes.Expiry(rules)
+        self.liveness = changes.Liveness(rules)
         self.store = RecordingStore()
 
     def batch(self) -> Batch:
-        return Batch(self.replicas, self.census)
+        """A batch as the writer begins it: what was heard folded in first."""
+        batch = Batch(self.replicas, self.census)
+        self.liveness.fold(batch)
+        return batch
 
     def commit(self, batch: Batch) -> None:
         for write in batch.writes:
             write(self.store)
         self.census.apply(batch)
-        self.expiry.committed(batch.changed, reloaded=False)
+        self.liveness.committed(batch.changed, reloaded=False)
         self.replicas = self.replicas.with_changes(batch.changed)
 
     def run(self, change: Callable[..., Any], *arguments: Any) -> Any:
