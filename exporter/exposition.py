@@ -6,8 +6,9 @@ Two formats, negotiated here alone: Prometheus text 0.0.4 and OpenMetrics
 
 The cache-config families (nearly all the bytes) are rendered here from the
 samples of ``exporter/series.py``, one replica at a time and once per change of it (replicas
-are immutable, so the lines are cached by identity). A scrape sends them in
-chunks joined as they go, so no whole copy of the exposition is ever held;
+are immutable, so the lines are cached by identity). A scrape of a large fleet
+sends them in chunks joined as they go, so no whole copy of it is ever held (a
+small body is joined once per state version);
 for gzip the config families (everything but last-seen and the heartbeat
 interval, which are last) are compressed once per change of any replica's
 config, and the liveness lines once per state version. The families are
@@ -119,8 +120,10 @@ def _line(name: str, labels: Labels, value: float) -> str:
     return f"{name}{{{rendered}}} {floatToGoString(value)}\n"
 
 
-# A streamed body is sent in chunks of about this size: a scrape holds no joined copy of the exposition.
-CHUNK_BYTES = 1 << 18
+# A large body is sent in chunks of about this size, joined as they are sent: no whole copy of it is held.
+CHUNK_BYTES = 1 << 20
+# A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
+JOINED_BYTES = 4 << 20
 
 
 class ReplicaPart(NamedTuple):
@@ -268,8 +271,19 @@ class _Rendered:
 
     def __init__(self, lines: FleetLines) -> None:
         self.lines = lines
+        self._joined: bytes | None = None
         self._gzip: tuple[bytes, bytes, zlib._Compress] | None = None
         self._lock = threading.Lock()
+
+    def text(self) -> Iterable[bytes]:
+        """The plain body's chunks: joined once when small, else joined anew as each scrape sends them."""
+        lines = self.lines
+        if lines.length > JOINED_BYTES:
+            return itertools.chain(lines.config_chunks(), lines.liveness_chunks())
+        with self._lock:
+            if self._joined is None:
+                self._joined = b"".join([*lines.config_chunks(), *lines.liveness_chunks()])
+            return (self._joined,)
 
     @property
     def has_gzip(self) -> bool:
@@ -328,9 +342,7 @@ class Exposition:
         rendered = self._rendered.current()
         tail = self._own_metrics(served) + served.end
         if not gzip:
-            lines = rendered.lines
-            chunks = itertools.chain(lines.config_chunks(), lines.liveness_chunks(), (tail,))
-            return chunks, lines.length + len(tail), served.content_type
+            return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
         prefix, liveness, compressor = rendered.gzip(self._config_gzip)
         finish = compressor.copy()
         body = (prefix, liveness, finish.compress(tail) + finish.flush())

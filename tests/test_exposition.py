@@ -308,3 +308,18 @@ def test_a_gzip_scrape_after_heartbeats_shows_their_last_seen(loaded: TestClient
         assert zipped == plain
         assert ("cache_config_heartbeat_interval_seconds", (("deployment", "qwen"), ("replica", "default")),
                 float(interval)) in zipped  # fmt: skip
+
+
+def test_a_small_body_is_joined_once_a_large_one_at_every_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scrapes of a small fleet send the body kept for the state version; a large fleet's is never held whole."""
+    replicas = {replica.key: replica for replica in (_replica("a", 3), _replica("b", 3))}
+    small = exposition._Rendered(ReplicaLines().fleet(replicas))
+    (first,) = small.text()
+    (again,) = small.text()
+    assert again is first
+    monkeypatch.setattr(exposition, "JOINED_BYTES", 0)
+    monkeypatch.setattr(exposition, "CHUNK_BYTES", 1024)
+    large = exposition._Rendered(ReplicaLines().fleet(replicas))
+    chunks = list(large.text())
+    assert len(chunks) > 1 and b"".join(chunks) == first
+    assert b"".join(large.text()) == first and next(iter(large.text())) is not chunks[0], "joined anew each time"
