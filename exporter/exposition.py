@@ -232,28 +232,28 @@ class FleetLines:
         self.length = sum(map(len, headers)) + sum(part.size for part in parts)
 
     def config_chunks(self) -> Iterator[bytes]:
-        return self._chunks(0, len(self.headers) - len(LIVENESS))
+        return _chunks(self.headers[: -len(LIVENESS)], [part.config for part in self.parts])
 
     def liveness_chunks(self) -> Iterator[bytes]:
-        return self._chunks(1, len(LIVENESS))
+        return _chunks(self.headers[-len(LIVENESS) :], [part.liveness for part in self.parts])
 
-    def _chunks(self, side: int, families: int) -> Iterator[bytes]:
-        offset = 0 if side == 0 else len(self.headers) - families
-        group: list[bytes] = []
-        size = 0
-        for index in range(families):
-            header = self.headers[offset + index]
-            group.append(header)
-            size += len(header)
-            for part in self.parts:
-                lines = part[side][index]
-                group.append(lines)
-                size += len(lines)
-                if size >= CHUNK_BYTES:
-                    yield b"".join(group)
-                    group, size = [], 0
-        if group:
-            yield b"".join(group)
+
+def _chunks(headers: Sequence[bytes], lines: Sequence[tuple[bytes, ...]]) -> Iterator[bytes]:
+    """Each family's header, then every replica's lines of it, joined into chunks of about ``CHUNK_BYTES``."""
+    group: list[bytes] = []
+    size = 0
+    for family, header in enumerate(headers):
+        group.append(header)
+        size += len(header)
+        for replica_lines in lines:
+            piece = replica_lines[family]
+            group.append(piece)
+            size += len(piece)
+            if size >= CHUNK_BYTES:
+                yield b"".join(group)
+                group, size = [], 0
+    if group:
+        yield b"".join(group)
 
 
 class _Compressed:

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from exporter.auth import Credentials
 from exporter.changes import EngineReady, ReadyOutcome
-from exporter.errors import Forbidden, InvalidRequest, NotFound, Refused, StorageUnavailable, UnsupportedMediaType
+from exporter.errors import Forbidden, InvalidRequest, NotFound, StorageUnavailable, UnsupportedMediaType
 from exporter.exposition import OPENMETRICS, TEXT, Exposition, accepts_gzip
 from exporter.listing import DeploymentListing
 from exporter.openapi import Endpoint
@@ -555,35 +555,6 @@ ENDPOINTS = (
     Endpoint("/", ("GET",), landing, documented=False),
     Endpoint("/docs", ("GET",), docs, documented=False),
 )
-
-
-_HEARTBEAT_PREFIX, _HEARTBEAT_SUFFIX = "/api/v1/deployments/", "/heartbeat"
-
-
-@dataclass(frozen=True)
-class HeartbeatShortcut:
-    """ASGI middleware: ``POST .../heartbeat`` goes straight to ``post_heartbeat``, past the router and FastAPI's
-    own middleware, which took more of a heartbeat's CPU than the handler (a fleet of 10,000 servers sends 333 a
-    second). The path is matched as the route matches it; ``refuse`` answers refusals as the app does, and any
-    other error reaches the app's server-error handling as before."""
-
-    app: Callable[[Scope, Receive, Send], Any]
-    refuse: Callable[[Request, Exception], Any]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""
-        if not (path.startswith(_HEARTBEAT_PREFIX) and path.endswith(_HEARTBEAT_SUFFIX)) or len(path) <= len(
-            _HEARTBEAT_PREFIX + _HEARTBEAT_SUFFIX
-        ):
-            await self.app(scope, receive, send)
-            return
-        scope["path_params"] = {"deployment": path[len(_HEARTBEAT_PREFIX) : -len(_HEARTBEAT_SUFFIX)]}
-        request = Request(scope, receive)
-        try:
-            response = await post_heartbeat(request)
-        except (Problem, Refused, InvalidPayload, StorageUnavailable) as error:
-            response = await self.refuse(request, error)
-        await response(scope, receive, send)
 
 
 def is_ingest(scope: Scope) -> bool:

@@ -31,7 +31,7 @@ from exporter.probe import Prober
 from exporter.problems import Problem, problem_for, problem_response
 from exporter.replicas import Replica
 from exporter.request_guard import RequestGuard
-from exporter.routes import ENDPOINTS, EXPOSITION_MEDIA_TYPES, Exporter, HeartbeatShortcut, get_metrics, is_ingest
+from exporter.routes import ENDPOINTS, EXPOSITION_MEDIA_TYPES, Exporter, get_metrics, is_ingest
 from exporter.settings import Settings
 from exporter.state import ExporterState
 from exporter.status_page import StatusPage
@@ -112,7 +112,6 @@ def create_app(
 
     for kind in (Problem, Refused, InvalidPayload, StorageUnavailable, HTTPException):
         app.add_exception_handler(kind, refuse)
-    app.add_middleware(HeartbeatShortcut, refuse=refuse)  # inside the guard: its checks apply to heartbeats too
     app.add_middleware(
         RequestGuard,
         max_bytes=settings.max_request_bytes,

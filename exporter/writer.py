@@ -30,7 +30,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from typing import Protocol
 
 from exporter.errors import Refused, StorageUnavailable
@@ -325,7 +324,7 @@ class Writer:
             else:
                 future.set_exception(refused)
 
-    def _transaction(self, writing: bool) -> AbstractContextManager[None]:
+    def _transaction(self, writing: bool) -> contextlib.AbstractContextManager[None]:
         """A write transaction; for a batch that only reads, a read one when other processes write the store (it
         sees their commits), else none: this process's memory is the whole state."""
         if writing:
