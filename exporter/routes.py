@@ -242,9 +242,12 @@ class ChunkedBody(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for chunk in self.chunks:
+        chunks = iter(self.chunks)
+        chunk = next(chunks, b"")
+        for following in chunks:  # the last chunk ends the body: no empty message after it
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            chunk = following
+        await send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
 async def _current(request: Request) -> Exporter:
