@@ -1,8 +1,9 @@
 """An open-loop HTTP/1.1 load of scheduled requests, a periodic scraper and a sampler of the server's CPU and memory.
 
 Each scheduled event is sent at its time whether or not earlier ones are answered (a fleet does not wait for the
-exporter), on a connection of its own as the plugin's and prometheus_client's ``urllib`` do, at most ``in_flight``
-at once; its latency counts from the time it was due, so a server that falls behind shows it. Stdlib asyncio
+exporter), at most ``in_flight`` at once; its latency counts from the time it was due, so a server that falls
+behind shows it. An event of a client that keeps its connection (the plugin's ``sender.Connection``) goes on that
+client's kept connection, any other on a connection of its own (prometheus_client's ``urllib``). Stdlib asyncio
 only: one process drives hundreds of requests a second.
 """
 
@@ -22,11 +23,13 @@ from bench.wrk import raw
 
 @dataclass(frozen=True)
 class Event:
-    """Requests due ``at`` seconds into a phase, sent one after another on one connection (a ``kind`` of event)."""
+    """Requests due ``at`` seconds into a phase, sent one after another on one connection (a ``kind`` of event):
+    the connection ``client`` keeps, or, without a ``client``, one of their own."""
 
     at: float
     kind: str
     requests: tuple[Request, ...]
+    client: str | None = None
 
 
 @dataclass
@@ -45,13 +48,14 @@ class Tally:
         self.statuses[reason] = self.statuses.get(reason, 0) + 1
 
 
-async def _answer(reader: asyncio.StreamReader) -> tuple[int, int]:
-    """Read one HTTP/1.1 answer (``Content-Length`` or chunked): its status and body length."""
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, int, bool]:
+    """Read one HTTP/1.1 answer (``Content-Length`` or chunked): its status, body length, and whether the server
+    closes the connection after it."""
     status_line = await reader.readline()
     if not status_line:
         raise ConnectionError("the server closed the connection")
     status = int(status_line.split()[1])
-    length, chunked = 0, False
+    length, chunked, closing = 0, False, False
     while (line := await reader.readline()) not in (b"\r\n", b""):
         name, _, value = line.partition(b":")
         name = name.strip().lower()
@@ -59,34 +63,72 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[int, int]:
             length = int(value)
         elif name == b"transfer-encoding":
             chunked = b"chunked" in value.lower()
+        elif name == b"connection":
+            closing = b"close" in value.lower()
     if not chunked:
         await reader.readexactly(length)
-        return status, length
+        return status, length, closing
     total = 0
     while size := int((await reader.readline()).split(b";")[0], 16):
         await reader.readexactly(size + 2)
         total += size
     while await reader.readline() not in (b"\r\n", b""):
         pass
-    return status, total
+    return status, total, closing
 
 
-async def _exchange(port: int, requests: Sequence[Request]) -> int:
-    """Send ``requests`` on a new connection, one after another; the status of the first that is not 2xx, else 200."""
-    reader, writer = await asyncio.open_connection(HOST, port)
-    try:
-        for request in requests:
-            writer.write(raw(request, port))
-            status, _ = await _answer(reader)
-            if not 200 <= status < 300:
-                return status
-        return 200
-    finally:
-        writer.close()
+Pair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Connections:
+    """The connections clients keep to the server between their events, one per client, across phases.
+
+    A kept connection the server closed meanwhile (its keep-alive timeout, its connection cap) is found closed
+    as it is used, before any answer: the event is sent again on a new one, as the plugin does.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._idle: dict[str, Pair] = {}
+        self.opened = 0  # connections opened, kept or not
+
+    async def exchange(self, event: Event) -> int:
+        """Send the event's requests one after another; the status of the first that is not 2xx, else 200."""
+        kept = self._idle.pop(event.client, None) if event.client is not None else None
+        if kept is not None:
+            try:
+                return await self._on(kept, event)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                kept[1].close()
+        self.opened += 1
+        return await self._on(await asyncio.open_connection(HOST, self.port), event)
+
+    async def _on(self, pair: Pair, event: Event) -> int:
+        reader, writer = pair
+        status, closing = 200, False
+        try:
+            for request in event.requests:
+                writer.write(raw(request, self.port))
+                status, _, closing = await _answer(reader)
+                if closing or not 200 <= status < 300:
+                    break
+        except BaseException:
+            writer.close()
+            raise
+        if event.client is None or closing or event.client in self._idle:
+            writer.close()
+        else:
+            self._idle[event.client] = pair
+        return status if not 200 <= status < 300 else 200
+
+    def close(self) -> None:
+        for _, writer in self._idle.values():
+            writer.close()
+        self._idle.clear()
 
 
 async def drive(
-    port: int, events: Sequence[Event], in_flight: int, start: float, deadline: float, tally: Tally
+    connections: Connections, events: Sequence[Event], in_flight: int, start: float, deadline: float, tally: Tally
 ) -> None:
     """Send each event at ``start + event.at`` (at most ``in_flight`` at once) until ``deadline`` (monotonic)."""
     slots = asyncio.Semaphore(in_flight)
@@ -94,7 +136,7 @@ async def drive(
 
     async def send(event: Event) -> None:
         try:
-            status = await _exchange(port, event.requests)
+            status = await connections.exchange(event)
         except (OSError, asyncio.IncompleteReadError, ValueError) as error:
             tally.fail(event, type(error).__name__)
         else:
@@ -140,7 +182,7 @@ async def scrape(port: int, request: Request, interval: float, start: float, dea
         reader, writer = await asyncio.open_connection(HOST, port)
         try:
             writer.write(raw(request, port))
-            status, size = await asyncio.wait_for(_answer(reader), max(0.001, deadline - begun))
+            status, size, _ = await asyncio.wait_for(_answer(reader), max(0.001, deadline - begun))
         except TimeoutError:
             break
         finally:

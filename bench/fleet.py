@@ -2,9 +2,10 @@
 
 N replicas (vLLM servers) of DP=8 in deployments of 40 replicas. Each server does what the plugin does: at its
 start a PUT of its labels and one POST of its eight engines' ready responses (one msgpack array), then a heartbeat
-every 30 s; Pushgateway's users re-push their eight ``cache_config_info`` series every 30 s instead (a PUT of the
-replica's group, as prometheus_client's ``push_to_gateway`` does). Every request is on a connection of its own, as
-both clients' ``urllib`` makes it. The real per-replica rates, compressed only in how long the run lasts:
+every 30 s, all on the one connection it keeps (``sender.Connection``; the exporter keeps idle connections for
+65 s); Pushgateway's users re-push their eight ``cache_config_info`` series every 30 s instead (a PUT of the
+replica's group, as prometheus_client's ``push_to_gateway`` does, on a connection of its own each time). The real
+per-replica rates, compressed only in how long the run lasts:
 
 1. fill: every replica starts (8 requests at a time), timed; Pushgateway gets at most ``FILL_BUDGET`` seconds;
 2. idle (20 s): scrapes every second, nothing else: the baseline of scrape latency and CPU;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import shutil
 import sys
 import tempfile
@@ -57,7 +59,8 @@ FILL_IN_FLIGHT = 8
 FILL_BUDGET = 120.0
 WINDOW_SECONDS = 5.0
 # The fleet's state is over the default byte budget (128 MiB) from about 50,000 engines on.
-EXPORTER_FLAGS = ["--log.level", "warning", "--limits.bytes", str(2 << 30)]
+# Every server keeps a connection: as many as the open-file limit lets the exporter serve (it warns of fewer).
+EXPORTER_FLAGS = ["--log.level", "warning", "--limits.bytes", str(2 << 30), "--web.max-connections", "100000"]
 JSON_LABELS = {"Content-Type": "application/json"}
 SCRAPE = Request("GET", "/metrics", SCRAPE_FORMATS["gzip"])
 # vLLM's frontend labels (``CacheConfig.metrics_info()``), as the plugin PUTs them.
@@ -119,15 +122,18 @@ class Work:
         self.kind = kind
         self.template = template
 
-    def start(self, deployment: str, replica: str, run: str, blocks: int, promise: bool) -> tuple[Request, ...]:
+    def start(self, at: float, kind: str, deployment: str, replica: str, run: str, blocks: int,
+              promise: bool) -> aio.Event:  # fmt: skip
         if self.kind == "exporter":
-            return exporter_start(deployment, replica, run, blocks, promise)
-        return (push(deployment, replica, self.template, blocks),)
+            requests = exporter_start(deployment, replica, run, blocks, promise)
+            return aio.Event(at, kind, requests, client=f"{deployment}/{replica}")
+        return aio.Event(at, kind, (push(deployment, replica, self.template, blocks),))
 
-    def heartbeat(self, deployment: str, replica: str) -> tuple[Request, ...]:
+    def heartbeat(self, at: float, deployment: str, replica: str) -> aio.Event:
         if self.kind == "exporter":
-            return (exporter_heartbeat(deployment, replica),)
-        return (push(deployment, replica, self.template, 1000),)
+            return aio.Event(at, "heartbeat", (exporter_heartbeat(deployment, replica),),
+                             client=f"{deployment}/{replica}")  # fmt: skip
+        return aio.Event(at, "heartbeat", (push(deployment, replica, self.template, 1000),))
 
 
 def heartbeats(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> list[aio.Event]:
@@ -136,7 +142,7 @@ def heartbeats(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> 
     for i, (deployment, replica) in enumerate(names):
         at = i * HEARTBEAT_SECONDS / len(names)
         while at < seconds:
-            events.append(aio.Event(at, "heartbeat", work.heartbeat(deployment, replica)))
+            events.append(work.heartbeat(at, deployment, replica))
             at += HEARTBEAT_SECONDS
     return events
 
@@ -145,21 +151,26 @@ def restarts(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> li
     """Every tenth replica starts a new run, spread over the middle half of the phase."""
     chosen = names[:: round(1 / RESTART_SHARE)]
     return [
-        aio.Event(seconds / 4 + j * (seconds / 2) / len(chosen), "restart",
-                  work.start(deployment, replica, f"restart-{j}", 2000, promise=True))
+        work.start(seconds / 4 + j * (seconds / 2) / len(chosen), "restart", deployment, replica, f"restart-{j}", 2000,
+                   promise=True)
         for j, (deployment, replica) in enumerate(chosen)
     ]  # fmt: skip
 
 
 async def _phase(
-    server: Server, events: Sequence[aio.Event], seconds: float, scrape_every: float, in_flight: int
+    server: Server,
+    connections: aio.Connections,
+    events: Sequence[aio.Event],
+    seconds: float,
+    scrape_every: float,
+    in_flight: int,
 ) -> dict[str, Any]:
     """Run ``events`` with scrapes and samples for ``seconds``; what came of it."""
     start = time.monotonic()
     deadline = start + seconds
     tally = aio.Tally()
     _, scrapes, samples = await asyncio.gather(
-        aio.drive(server.port, events, in_flight, start, deadline, tally),
+        aio.drive(connections, events, in_flight, start, deadline, tally),
         aio.scrape(server.port, SCRAPE, scrape_every, start, deadline),
         aio.sample(server.pid, start, deadline),
     )
@@ -182,15 +193,14 @@ async def _phase(
     }
 
 
-def _fill(server: Server, names: Sequence[tuple[str, str]], work: Work, budget: float) -> dict[str, Any]:
+async def _fill(
+    connections: aio.Connections, names: Sequence[tuple[str, str]], work: Work, budget: float
+) -> dict[str, Any]:
     """Every replica starts, ``FILL_IN_FLIGHT`` at a time, within ``budget`` seconds."""
-    events = [
-        aio.Event(0.0, "start", work.start(deployment, replica, "run-0", 1000, promise=False))
-        for deployment, replica in names
-    ]
+    events = [work.start(0.0, "start", d, replica, "run-0", 1000, promise=False) for d, replica in names]
     tally = aio.Tally()
     start = time.monotonic()
-    asyncio.run(aio.drive(server.port, events, FILL_IN_FLIGHT, start, start + budget, tally))
+    await aio.drive(connections, events, FILL_IN_FLIGHT, start, start + budget, tally)
     seconds = time.monotonic() - start
     started = len(tally.done.get("start", []))
     return {"replicas": started, "of": len(names), "seconds": seconds, "rate": started / seconds,
@@ -203,21 +213,36 @@ def run_server(
     """The whole timeline against one freshly started server."""
     time.sleep(1.0)
     result: dict[str, Any] = {"empty_rss_mb": rss_mb(server.pid)}
-    print(f"bench --fleet: {work.kind}, {len(names)} replicas: fill", file=sys.stderr, flush=True)
-    result["fill"] = _fill(server, names, work, fill_budget)
-    _scrape_once(server, "gzip")  # as Prometheus would have meanwhile: idle starts from a rendered exposition
-    phases = {
-        "idle": ([], IDLE_SECONDS, PROBE_SCRAPE_SECONDS),
-        "heartbeats": (heartbeats(names, work, phase_seconds), phase_seconds, PROMETHEUS_SCRAPE_SECONDS),
-        "fleet": (heartbeats(names, work, phase_seconds) + restarts(names, work, phase_seconds), phase_seconds,
-                  PROMETHEUS_SCRAPE_SECONDS),
-    }  # fmt: skip
-    result["phases"] = {}
-    for name, (events, seconds, scrape_every) in phases.items():
-        print(f"bench --fleet: {work.kind}, {len(names)} replicas: {name} {seconds:g} s", file=sys.stderr, flush=True)
-        result["phases"][name] = asyncio.run(_phase(server, events, seconds, scrape_every, IN_FLIGHT))
+    result.update(asyncio.run(_timeline(server, names, work, phase_seconds, fill_budget)))
     result["peak_rss_mb"] = peak_rss_mb(server.pid)
     return result
+
+
+async def _timeline(
+    server: Server, names: Sequence[tuple[str, str]], work: Work, phase_seconds: float, fill_budget: float
+) -> dict[str, Any]:
+    """Fill, then the phases, on the connections the clients keep throughout."""
+    connections = aio.Connections(server.port)
+    try:
+        print(f"bench --fleet: {work.kind}, {len(names)} replicas: fill", file=sys.stderr, flush=True)
+        result: dict[str, Any] = {"fill": await _fill(connections, names, work, fill_budget)}
+        # As Prometheus would have meanwhile: idle starts from a rendered exposition.
+        await asyncio.to_thread(_scrape_once, server, "gzip")
+        phases = {
+            "idle": ([], IDLE_SECONDS, PROBE_SCRAPE_SECONDS),
+            "heartbeats": (heartbeats(names, work, phase_seconds), phase_seconds, PROMETHEUS_SCRAPE_SECONDS),
+            "fleet": (heartbeats(names, work, phase_seconds) + restarts(names, work, phase_seconds), phase_seconds,
+                      PROMETHEUS_SCRAPE_SECONDS),
+        }  # fmt: skip
+        result["phases"] = {}
+        for name, (events, seconds, scrape_every) in phases.items():
+            print(f"bench --fleet: {work.kind}, {len(names)} replicas: {name} {seconds:g} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            result["phases"][name] = await _phase(server, connections, events, seconds, scrape_every, IN_FLIGHT)
+        result["connections_opened"] = connections.opened
+        return result
+    finally:
+        connections.close()
 
 
 @contextlib.contextmanager
@@ -285,6 +310,8 @@ def pushgateway_binary() -> str:
 
 def main(replicas: Sequence[int], phase_seconds: float, fill_budget: float, output: Path, plot: Path) -> int:
     """Measure, write the JSON and the plot, print the tables."""
+    # This process holds a connection per server: the soft open-file limit up to the hard one.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     results = measure(replicas, phase_seconds, fill_budget, pushgateway_binary())
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results) + "\n")

@@ -164,6 +164,7 @@ def serve(args: argparse.Namespace) -> int:
         access_log=settings.log_level == "debug",
         server_header=False,
         limit_concurrency=max_connections,
+        timeout_keep_alive=settings.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # float works
         timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
         ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,
     )

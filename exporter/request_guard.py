@@ -41,8 +41,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with 431 once a request's line and headers pass ``max_header_bytes``,
     and 408 when they take longer than ``header_timeout`` seconds (counted from the connection's start or
     the request's first byte), so neither a huge header nor a slow-header client can hold memory or a slot.
-    A connection past the cap (``limit_concurrency``) is answered 503 and closed at once, before it sends
-    anything: idle connections cannot take every file descriptor."""
+    A connection past the cap (``limit_concurrency``) closes a kept-alive connection that waits idle for its
+    next request (a client reconnects to send it), or, when none is idle, is answered 503 and closed at once,
+    before it sends anything: idle connections cannot take every file descriptor, and kept-alive ones
+    (the plugin's, between heartbeats) never keep a scrape out."""
 
     # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
     _cap_logged: ClassVar[float] = float("-inf")
@@ -59,10 +61,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         limit = self.limit_concurrency
-        if limit is not None and len(self.connections) >= limit:
+        if limit is not None and len(self.connections) >= limit and not self._close_an_idle_connection():
             self._at_cap(limit)
             return
         self._arm_header_timer()
+
+    def _close_an_idle_connection(self) -> bool:
+        """Close one connection that waits for its next request (its keep-alive timer runs); False if none does.
+        It leaves the count at once, so that this connection's request is not refused by uvicorn's own cap."""
+        for connection in self.connections:
+            if getattr(connection, "timeout_keep_alive_task", None) is not None:
+                connection.timeout_keep_alive_handler()
+                self.connections.discard(connection)
+                return True
+        return False
 
     def _at_cap(self, limit: int) -> None:
         cls = GuardedHttpToolsProtocol

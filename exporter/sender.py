@@ -1,7 +1,8 @@
 """The client side of the exporter's ingest API, shared by ``cache-config-exporter push`` and the vLLM plugin.
 
 It knows the API's paths and queries (ready responses, cache configs, heartbeats, goodbyes), the content
-type of each wire format and the bearer token, sends one request with a timeout and says what came of it:
+type of each wire format and the bearer token, makes a call with a timeout (``send`` on a connection of its
+own, ``Connection`` on one kept across calls) and says what came of it:
 ``Accepted`` with the exporter's JSON answer, ``Refused`` with the status and the problem's ``detail`` and
 ``field``, or ``Unreachable`` with the reason. A request of several engines' ready responses names each one
 it refused (``item_refusals``). What to do next (print, retry, warn) is the caller's.
@@ -13,10 +14,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
-import urllib.error
+import ssl
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,31 +180,101 @@ def bearer(token: str) -> str:
 
 
 def send(base_url: str, call: Call, timeout: float, *, authorization: str | None = None, client: str) -> Outcome:
-    """Make ``call`` to the exporter at ``base_url``, waiting at most ``timeout`` seconds; never raises.
+    """Make ``call`` to the exporter at ``base_url`` on a connection of its own, waiting at most ``timeout``
+    seconds; never raises. ``client`` (``push``, ``vllm-plugin``) names the sender in the ``User-Agent``."""
+    connection = Connection(base_url, timeout, client=client)
+    try:
+        return connection.send(call, authorization=authorization)
+    finally:
+        connection.close()
 
-    ``client`` (``push``, ``vllm-plugin``) names the sender in the ``User-Agent``.
+
+# What a kept connection the exporter has closed meanwhile raises as it is used again, before any answer.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
+class Connection:
+    """Calls to one exporter, one after another, on one kept-alive HTTP/1.1 connection (a plugin thread's).
+
+    A request on a new TCP connection costs the exporter several times one on a kept connection
+    (docs/PERFORMANCE.md), and a fleet's heartbeats are most of its requests. When the kept connection turns out
+    to be closed by the exporter meanwhile (its keep-alive timeout, a restart, its connection cap) before any
+    answer began, the call is made once more on a new connection: every call of the ingest API may be repeated.
+    A child process forked meanwhile opens a connection of its own. The exporter is reached directly, never
+    through a proxy of the environment (``HTTP_PROXY``).
     """
-    headers = {"User-Agent": f"cache-config-exporter-{client}/{__version__}"}
-    if call.content_type:
-        headers["Content-Type"] = call.content_type
-    try:
-        request = urllib.request.Request(f"{base_url}{call.path}", data=call.body, method=call.method, headers=headers)
+
+    def __init__(self, base_url: str, timeout: float, *, client: str) -> None:
+        self.base_url = base_url
+        self.timeout = timeout
+        self._user_agent = f"cache-config-exporter-{client}/{__version__}"
+        self._http: http.client.HTTPConnection | None = None
+        self._tls: ssl.SSLContext | None = None
+        self._prefix = ""
+        self._pid = 0  # of the process that opened the kept connection
+
+    def send(self, call: Call, *, authorization: str | None = None) -> Outcome:
+        """Make ``call``, waiting at most ``timeout`` seconds for each step; never raises."""
+        headers = {"User-Agent": self._user_agent}
+        if call.content_type:
+            headers["Content-Type"] = call.content_type
         if authorization:
-            # Unredirected: a redirect to another host never carries the token.
-            request.add_unredirected_header("Authorization", authorization)
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer = response.read()
-    except urllib.error.HTTPError as error:
-        with error:
-            return _refusal(error.code, error.read(_PROBLEM_BYTES))
-    except (OSError, http.client.HTTPException, ValueError) as error:
-        return Unreachable(str(getattr(error, "reason", None) or error))
-    if not answer:
-        return Accepted(None)
-    try:
-        return Accepted(json.loads(answer))
-    except ValueError:
-        return Unreachable(f"the answer is not the exporter's JSON: {_excerpt(answer)!r}")
+            headers["Authorization"] = authorization
+        if self._pid != os.getpid():
+            self._http = None  # the parent's socket: using it would interleave two processes' requests
+        while True:
+            reused = self._http is not None
+            try:
+                status, answer = self._exchange(call, headers)
+            except _STALE as error:
+                self.close()
+                if reused:
+                    continue
+                return Unreachable(str(error) or type(error).__name__)
+            except (OSError, http.client.HTTPException, ValueError) as error:
+                self.close()
+                return Unreachable(str(error) or type(error).__name__)
+            break
+        if not 200 <= status < 300:
+            return _refusal(status, answer)
+        if not answer:
+            return Accepted(None)
+        try:
+            return Accepted(json.loads(answer))
+        except ValueError:
+            return Unreachable(f"the answer is not the exporter's JSON: {_excerpt(answer)!r}")
+
+    def _exchange(self, call: Call, headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request and its answer's status and body (of a refusal, its first ``_PROBLEM_BYTES``)."""
+        if self._http is None:
+            self._http = self._open()
+        self._http.request(call.method, f"{self._prefix}{call.path}", body=call.body, headers=headers)
+        response = self._http.getresponse()
+        answer = response.read() if 200 <= response.status < 300 else response.read(_PROBLEM_BYTES)
+        if response.will_close or not response.isclosed():  # closing, or an unread rest of a long refusal
+            self.close()
+        return response.status, answer
+
+    def _open(self) -> http.client.HTTPConnection:
+        """A new connection to ``base_url``'s host; the URL's path is the prefix of every call's."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"unknown url type: {parts.scheme or self.base_url!r}")
+        if not parts.hostname:
+            raise ValueError(f"no host given: {self.base_url!r}")
+        self._prefix = parts.path.rstrip("/")
+        self._pid = os.getpid()
+        if parts.scheme == "http":
+            return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.timeout, context=self._tls)
+
+    def close(self) -> None:
+        """Close the kept connection; the next call opens a new one."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
 
 def _refusal(status: int, body: bytes) -> Refused:

@@ -197,7 +197,17 @@ class Settings:
     read_timeout_seconds: float = _setting(
         10.0, "--web.read-timeout", "seconds a client may take to send a request body (408 after)"
     )
-    max_connections: int = _setting(1024, "--web.max-connections", "concurrent connections before new ones get 503")
+    max_connections: int = _setting(
+        1024,
+        "--web.max-connections",
+        "concurrent connections; at the cap a new one closes an idle kept-alive one, or gets 503 if none is idle",
+    )
+    keep_alive_timeout_seconds: float = _setting(
+        65.0,
+        "--web.keep-alive-timeout",
+        "seconds an idle connection is kept for its next request: longer than the plugin's heartbeat interval "
+        "(30 s), so that its heartbeats reuse one connection",
+    )
     max_header_bytes: int = _setting(
         16 << 10, "--web.max-header-bytes", "largest request line and headers accepted (431 above)"
     )

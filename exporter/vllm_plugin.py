@@ -270,6 +270,8 @@ class Delivery:
         self._goodbye = False
         self._refusals: set[tuple[str, str]] = set()
         self._token: str | None = None
+        # The delivery thread's alone: the plugin's heartbeats reuse one connection.
+        self._connection = sender.Connection(url, target.timeout_seconds, client="vllm-plugin")
 
     def offer(self, update: Update) -> None:
         """Take ``update`` as the newest state of its engine (and labels); never blocks on the exporter."""
@@ -312,6 +314,7 @@ class Delivery:
             self._log(attempt, outcome, verdict, failing)
         if self._goodbye:
             self._say_goodbye()
+        self._connection.close()
 
     def _next_attempt(self) -> Attempt | None:
         """The next request to make, once it is due; ``None`` when closed."""
@@ -368,9 +371,7 @@ class Delivery:
             authorization = self._authorization()
         except sender.TokenError as error:
             return sender.Unreachable(str(error))
-        return sender.send(
-            self.url, call, self._target.timeout_seconds, authorization=authorization, client="vllm-plugin"
-        )
+        return self._connection.send(call, authorization=authorization)
 
     def _described(self, call: sender.Call, outcome: sender.Outcome) -> str:
         """What came of ``call``, for the log: the request, then the answer."""

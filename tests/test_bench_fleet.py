@@ -47,6 +47,8 @@ def test_the_fleet_is_started_and_every_heartbeat_and_restart_is_answered(
     assert result["phases"]["idle"]["scrape"]["count"] >= 2
     assert heartbeats["scrape"]["count"] == fleet_phase["scrape"]["count"] == 1
     assert result["peak_rss_mb"] >= result["empty_rss_mb"] > 0
+    # Each server's heartbeats and restart went on the connection it opened as it started, as the plugin's do.
+    assert result["connections_opened"] == REPLICAS
 
 
 def test_each_replica_is_held_with_its_eight_engines_and_the_restarted_ones_in_their_new_run(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from exporter import sender
+from tests.helpers.http import raw_socket, request
 from tests.support import ExporterProcess, fixture_bytes, free_port
 
 TIMEOUT = 5.0
@@ -150,3 +151,105 @@ def test_cache_config_labels_travel_as_json() -> None:
         "application/json",
         {"block_size": "16"},
     )
+
+
+class _KeptAlive(BaseHTTPRequestHandler):
+    """An HTTP/1.1 server that records which client connection each request came on; with ``drop``, it closes
+    every connection after its answer without saying so, as an exporter whose keep-alive timeout ran out does."""
+
+    protocol_version = "HTTP/1.1"
+    server: _Recording
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.peers.append((self.client_address, self.path))
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        self.close_connection = self.server.drop
+
+
+class _Recording(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, drop: bool) -> None:
+        super().__init__(("127.0.0.1", 0), _KeptAlive)
+        self.drop = drop
+        self.peers: list[tuple[object, str]] = []
+
+
+@pytest.fixture
+def recording() -> Iterator[Callable[[bool], _Recording]]:
+    servers: list[_Recording] = []
+
+    def start(drop: bool) -> _Recording:
+        server = _Recording(drop)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "closed-by-the-server-between-calls"])
+def test_a_connection_keeps_one_tcp_connection_and_reconnects_when_the_server_closed_it(
+    recording: Callable[[bool], _Recording], drop: bool
+) -> None:
+    server = recording(drop)
+    connection = sender.Connection(f"http://127.0.0.1:{server.server_address[1]}/behind/a/prefix/", TIMEOUT,
+                                   client="test")  # fmt: skip
+    try:
+        outcomes = [connection.send(sender.heartbeat_call("qwen", f"r{i}", 30.0)) for i in range(3)]
+    finally:
+        connection.close()
+    assert outcomes == [sender.Accepted(None)] * 3
+    assert [path.split("?")[0] for _, path in server.peers] == [
+        "/behind/a/prefix/api/v1/deployments/qwen/heartbeat"
+    ] * 3
+    # Each call that found its connection closed was made once more, on a new one: three requests arrived in all.
+    assert len({peer for peer, _ in server.peers}) == (3 if drop else 1)
+
+
+def test_a_connection_to_a_url_it_cannot_use_is_unreachable() -> None:
+    for url, reason in (("ftp://127.0.0.1:1", "unknown url type"), ("http://", "no host given")):
+        outcome = sender.Connection(url, TIMEOUT, client="test").send(sender.goodbye_call("qwen", "r1"))
+        assert isinstance(outcome, sender.Unreachable) and reason in str(outcome), outcome
+
+
+def test_a_new_connection_at_the_cap_closes_an_idle_kept_one_instead_of_being_refused(
+    start_exporter: Callable[..., ExporterProcess],
+) -> None:
+    """Servers of a fleet keep a connection each between heartbeats; a scrape past the cap still gets in."""
+    exporter = start_exporter("--web.max-connections", "3")
+    assert isinstance(send(exporter, sender.ready_call("qwen", fixture_bytes("hybrid-tp1-post50809"), "msgpack",
+                                                       "r1")), sender.Accepted)  # fmt: skip
+    kept = [sender.Connection(exporter.url, TIMEOUT, client="test") for _ in range(2)]
+    heartbeat = sender.heartbeat_call("qwen", "r1", 30.0)
+    try:
+        assert [connection.send(heartbeat) for connection in kept] == [sender.Accepted(None)] * 2
+        # Two kept connections idle: the third connection is at uvicorn's cap (it counts itself).
+        scrape = request(exporter.url, "GET", "/metrics")
+        assert scrape.status == 200 and b'deployment="qwen"' in scrape.body
+        # The kept connection that was closed for it reconnects on its next call.
+        assert [connection.send(heartbeat) for connection in kept] == [sender.Accepted(None)] * 2
+    finally:
+        for connection in kept:
+            connection.close()
+
+
+def test_the_exporter_closes_a_connection_idle_past_its_keep_alive_timeout(
+    start_exporter: Callable[..., ExporterProcess],
+) -> None:
+    exporter = start_exporter("--web.keep-alive-timeout", "0.5")
+    connection = raw_socket(exporter.url, timeout=3)  # uvicorn's own default keep-alive timeout is 5 s
+    answer = b""
+    try:
+        connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        while chunk := connection.recv(65536):  # a TimeoutError here: the idle connection was kept
+            answer += chunk
+    finally:
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 ") == 1

@@ -181,6 +181,7 @@ class Recorded(NamedTuple):
     query: dict[str, str]
     headers: dict[str, str]
     body: bytes
+    peer: tuple[str, int]  # the client's address: which TCP connection the request came on
 
 
 class StubExporter(ThreadingHTTPServer):
@@ -214,13 +215,16 @@ class StubExporter(ThreadingHTTPServer):
 
 
 class _StubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # connections are kept, as the exporter's are
     server: StubExporter
 
     def _answer(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         path, _, query = self.path.partition("?")
         self.server.requests.append(
-            Recorded(self.command, path, dict(urllib.parse.parse_qsl(query)), dict(self.headers), body)
+            Recorded(
+                self.command, path, dict(urllib.parse.parse_qsl(query)), dict(self.headers), body, self.client_address
+            )
         )
         if self.server.slow:
             self.server.release.wait(10)
@@ -538,8 +542,10 @@ def test_heartbeats_keep_the_replica_and_an_exporter_without_it_gets_the_whole_s
     def heartbeats() -> list[Recorded]:
         return [r for r in server.requests if r.path.endswith("/heartbeat")]
 
-    wait_until(heartbeats, timeout=5)
+    wait_until(lambda: len(heartbeats()) >= 2, timeout=5)
     assert heartbeats()[0].query == {"replica": "r1", "interval": "1"}
+    # Labels, engines and heartbeats came on one kept connection: a fleet's heartbeats cost no new connections.
+    assert len({r.peer for r in server.requests}) == 1
     # The exporter restarted without its storage: it answers the next heartbeat 404.
     server.heartbeat_status = 404
     again = delivered + len(heartbeats())
