@@ -173,18 +173,30 @@ class ReplicaLines:
         A heartbeat replaces the replica but keeps its synced config and engines (the same objects): then only
         the liveness lines are rendered again, so a fleet's heartbeats cost a scrape little.
         """
+        return self._part(replica)[0]
+
+    def _part(self, replica: Replica) -> tuple[ReplicaPart, bool]:
+        """``part``, and whether its config lines were rendered (the generation moved)."""
         cached = self._rendered.get(replica.key)
         if cached is not None and cached[0] is replica:
-            return cached[1]
-        if cached is not None and cached[0].synced is replica.synced and cached[0].engines is replica.engines:
+            return cached[1], False
+        rendered = cached is None or cached[0].synced is not replica.synced or cached[0].engines is not replica.engines
+        if rendered:
+            part = self._render(replica)
+            self._next_generation()  # before the part is cached: whoever finds it sees the new generation
+        else:
             part = ReplicaPart.of(
                 cached[1].config, self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica))
             )
-        else:
-            part = self._render(replica)
-            self._next_generation()  # before the part is cached: whoever finds it sees the new generation
         self._rendered[replica.key] = (replica, part)
-        return part
+        return part, rendered
+
+    def render_ahead(self, replicas: Iterable[Replica]) -> None:
+        """Render the lines of changed replicas the cache holds now, on the writer's thread, so that the next
+        scrape finds them: a fleet's heartbeats then cost a scrape only joining and compressing."""
+        for replica in replicas:
+            if replica.key in self._rendered:
+                self._part(replica)
 
     def _next_generation(self) -> None:
         with self._generation_lock:  # from the writer and the scrape's threads: no increment is lost
@@ -208,14 +220,22 @@ class ReplicaLines:
     def fleet(self, replicas: Mapping[ReplicaKey, Replica]) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time."""
         before = self.generation
-        parts = [self.part(replicas[key]) for key in sorted(replicas)]
+        parts = []
+        own = 0  # the generation's moves made here
+        for key in sorted(replicas):
+            part, rendered = self._part(replicas[key])
+            parts.append(part)
+            own += rendered
         gone = [key for key in list(self._rendered) if key not in replicas]
         for key in gone:
             self._rendered.pop(key, None)
         if gone:
             self._next_generation()
-        # A config rendered (by any thread) or a replica gone while the parts were taken: no generation names them.
-        return FleetLines(self.headers, parts, before if self.generation == before else -1)
+            own += 1
+        # A config rendered by another thread while the parts were taken (of a replica newer than these): no
+        # generation names these parts. Moves made here only are these parts' own: the generation names them.
+        after = self.generation
+        return FleetLines(self.headers, parts, after if after == before + own else -1)
 
 
 class FleetLines:

@@ -8,9 +8,11 @@ refuse a ready response.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -51,6 +53,15 @@ class _AnyTextConvertor(PathConvertor):
 register_url_convertor("name", _AnyTextConvertor())
 
 
+# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it (7 % of a heartbeat's CPU here); the
+# exporter has its own metrics and no tracing.
+_WITHOUT_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
 def create_app(
     settings: Settings,
     registry: CollectorRegistry | None = None,
@@ -75,7 +86,7 @@ def create_app(
     base_labels = settings.base_labels()
     state = ExporterState(
         store, base_labels, clock, settings.limits(), settings.missed_heartbeats, measure, telemetry.committed,
-        shared_store=settings.workers > 1,
+        shared_store=settings.workers > 1, render_ahead=lines.render_ahead,
     )  # fmt: skip
     registry.register(credentials)  # the reload state of the access files
     exposition = Exposition(state, lines, registry, telemetry)
@@ -89,7 +100,10 @@ def create_app(
         store.close()
 
     # /docs is rendered here (exporter/status_page.py): Swagger UI would load its scripts from a CDN.
-    app = FastAPI(title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+        **_WITHOUT_TELEMETRY,
+    )  # fmt: skip
     metrics = Endpoint(settings.telemetry_path, ("GET",), get_metrics, answers=EXPOSITION_MEDIA_TYPES)
     document = openapi_document(app.title, app.version, (*ENDPOINTS, metrics))
     app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it

@@ -494,6 +494,7 @@ def read_secret(flag: str, path: Path) -> str:
     return secret
 
 
+@functools.lru_cache(maxsize=256)  # asked of every request's Host header: the few names clients use
 def is_loopback(host: str) -> bool:
     """``localhost`` or a loopback address (IPv4 or IPv6): names DNS rebinding cannot point elsewhere."""
     if host == "localhost":

@@ -11,7 +11,7 @@ import functools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
@@ -33,8 +33,9 @@ class ExporterState:
 
     ``clock`` gives Unix seconds (what is shown and stored), ``monotonic`` what expiry counts on; ``measure``
     counts a replica's bytes for ``limits.bytes``; ``committed`` hears what each commit counted (``"accepted"``
-    ready responses, ``"expired"`` replicas). ``shared_store``: other processes write the same store (``serve
-    --web.workers N``), so heartbeats are committed rather than kept in memory until a checkpoint.
+    ready responses, ``"expired"`` replicas); ``render_ahead`` the replicas each commit changed. ``shared_store``:
+    other processes write the same store (``serve --web.workers N``), so heartbeats are committed rather than kept
+    in memory until a checkpoint.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class ExporterState:
         committed: Callable[[Counter[str]], None] = lambda counts: None,
         monotonic: Callable[[], float] = time.monotonic,
         shared_store: bool = False,
+        render_ahead: Callable[[Iterable[Replica]], None] | None = None,
     ) -> None:
         limits = limits or Limits()
         budget = ByteBudget(limits.bytes, measure) if limits.bytes and measure else None
@@ -64,8 +66,9 @@ class ExporterState:
         try:
             self._liveness = changes.Liveness(self._rules)
             self._writer = Writer(
-                store, load, self._liveness, committed, budget.measure if budget else None, shared_store
-            )
+                store, load, self._liveness, committed, budget.measure if budget else None, shared_store,
+                render_ahead,
+            )  # fmt: skip
         except (StorageUnavailable, InvalidPayload, msgspec.DecodeError) as error:
             raise StorageError(f"cannot load storage {store.path}: {error}") from None
 

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -184,7 +184,8 @@ class Writer:
     """Commits changes on its own thread; ``replicas`` is the last committed state.
 
     ``load`` reads the whole state from the store; ``measure`` what a replica takes for the byte budget (``None``:
-    no budget); ``committed`` hears the counts of each committed batch. ``shared``: other processes write the
+    no budget); ``committed`` hears the counts of each committed batch; ``render_ahead`` the replicas each one
+    changed, on this thread, so that scrapes need not render them. ``shared``: other processes write the
     store too, so every batch looks for their commits; else a batch that writes nothing (heartbeats kept in
     memory) touches no SQLite at all.
     """
@@ -197,8 +198,10 @@ class Writer:
         committed: Callable[[Counter[str]], None],
         measure: Callable[[Replica], int] | None = None,
         shared: bool = False,
+        render_ahead: Callable[[Iterable[Replica]], None] | None = None,
     ) -> None:
         self._store = store
+        self._render_ahead = render_ahead
         self._shared = shared
         self._load = load
         self._housekeeping = housekeeping
@@ -323,6 +326,8 @@ class Writer:
                 future.set_result(result)
             else:
                 future.set_exception(refused)
+        if self._render_ahead is not None and batch.changed:  # after the answers: they need not wait for it
+            self._render_ahead(replica for replica in batch.changed.values() if replica is not None)
 
     def _transaction(self, writing: bool) -> contextlib.AbstractContextManager[None]:
         """A write transaction; for a batch that only reads, a read one when other processes write the store (it

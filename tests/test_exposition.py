@@ -280,20 +280,54 @@ def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytes
 
 def test_the_config_generation_moves_with_a_config_or_a_replica_gone_never_with_a_heartbeat() -> None:
     """The compressed config part is reused while the generation stays: a heartbeat must keep it, anything that
-    changes a config line must not."""
+    changes a config line must not. A fleet's own renders are named by the generation they leave."""
     lines = ReplicaLines()
     a, b = _replica("a", 1), _replica("b", 1)
-    assert lines.fleet({a.key: a, b.key: b}).generation == -1, "rendered while the parts were taken"
     generation = lines.fleet({a.key: a, b.key: b}).generation
-    assert generation != -1
+    assert generation != -1, "rendered here only: the generation names these parts"
+    assert lines.fleet({a.key: a, b.key: b}).generation == generation
     alive = msgspec.structs.replace(a, last_seen=190.0)
     assert lines.fleet({a.key: alive, b.key: b}).generation == generation
+    again = msgspec.structs.replace(alive, last_seen=220.0)
+    lines.render_ahead([again])  # the writer, after committing a heartbeat
+    assert lines.fleet({a.key: again, b.key: b}).generation == generation
     pushed = _replica("a", 2, 200.0)
-    assert lines.fleet({a.key: pushed, b.key: b}).generation == -1
     pushed_generation = lines.fleet({a.key: pushed, b.key: b}).generation
     assert pushed_generation not in (generation, -1)
-    assert lines.fleet({a.key: pushed}).generation == -1, "b left"
-    assert lines.fleet({a.key: pushed}).generation not in (generation, pushed_generation, -1)
+    left = lines.fleet({a.key: pushed}).generation
+    assert left not in (generation, pushed_generation, -1), "b left"
+
+
+def test_a_config_rendered_by_another_thread_while_the_parts_are_taken_leaves_them_unnamed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer renders a newer config of a replica between two parts of a scrape's fleet: the generation the
+    scrape sees is not its parts', so it names none (and the compressed config part is not reused)."""
+    lines = ReplicaLines()
+    a, b = _replica("a", 1), _replica("b", 1)
+    lines.fleet({a.key: a, b.key: b})
+    take = lines._part
+
+    def writer_meanwhile(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
+        if replica.key == a.key:
+            lines.render_ahead([_replica("b", 2, 200.0)])
+        return take(replica)
+
+    monkeypatch.setattr(lines, "_part", writer_meanwhile)
+    assert lines.fleet({a.key: a, b.key: b}).generation == -1
+
+
+def test_a_replica_rendered_ahead_is_not_rendered_again_by_the_scrape() -> None:
+    lines = ReplicaLines()
+    a = _replica("a", 1)
+    lines.fleet({a.key: a})
+    alive = msgspec.structs.replace(a, last_seen=190.0)
+    lines.render_ahead([alive, _replica("new", 1)])
+    ahead = lines.part(alive)
+    assert lines.fleet({alive.key: alive}).parts[0] is ahead
+    assert ahead.liveness == ReplicaLines().part(alive).liveness
+    # A replica the last scrape did not have is left to the next scrape: the cache keeps no others.
+    assert ("qwen", "new") not in lines._rendered
 
 
 def test_a_gzip_scrape_after_heartbeats_shows_their_last_seen(loaded: TestClient) -> None:

@@ -20,7 +20,7 @@ from exporter.state import ExporterState
 from exporter.storage import SqliteStore
 from protocol import decode_ready_response
 from tests.helpers.sqlite_file import read_only, rows
-from tests.support import fixture_bytes
+from tests.support import fixture_bytes, wait_until
 
 
 class GatedStore(SqliteStore):
@@ -150,6 +150,26 @@ def test_heartbeats_take_no_commit_and_are_stored_when_the_writer_stops(tmp_path
         state.close()
     assert stored_last_seen(store.path)[KEY] == (15.0, wall.now)
     store.close()
+
+
+def test_every_commit_hands_what_it_changed_to_render_ahead_heartbeats_too(tmp_path: Path) -> None:
+    """The exposition renders changed replicas on the writer's thread, not at the next scrape."""
+    store, wall = GatedStore(tmp_path / "state.db"), Wall()
+    store.gate.set()
+    handed: list[Replica] = []
+    state = ExporterState(store, {}, wall, render_ahead=handed.extend)
+    try:
+        pushed = state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
+        wait_until(lambda: pushed in handed, timeout=10)
+        wall.now += 5
+        alive = heartbeat(state, KEY, 30.0)
+        wait_until(lambda: alive in handed, timeout=10)
+        assert handed[-1].last_seen == wall.now
+        assert state.delete_replica(KEY).result(timeout=10)
+        assert all(replica is not None for replica in handed), "a removal hands nothing"
+    finally:
+        state.close()
+        store.close()
 
 
 def test_a_checkpoint_stores_what_heartbeats_changed_within_its_interval(
