@@ -104,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
     from exporter.auth import Credentials
     from exporter.https_listener import ReloadingTls, watched_tls
     from exporter.probe_http import MetricsClient
-    from exporter.request_guard import GuardedHttpToolsProtocol
+    from exporter.quick_heartbeats import HeartbeatAnsweringProtocol
     from exporter.service import create_app
 
     # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
@@ -149,9 +149,10 @@ def serve(args: argparse.Namespace) -> int:
             settings.max_connections, descriptors, max_connections,
         )  # fmt: skip
     protocol = functools.partial(
-        GuardedHttpToolsProtocol,
+        HeartbeatAnsweringProtocol,
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout_seconds,
+        heartbeats=app.state.quick_heartbeats if settings.workers == 1 else None,
     )
     uvicorn.run(
         app,

@@ -162,6 +162,15 @@ def host_name(host: str) -> str:
     return (host.rpartition(":")[0] if ":" in host else host).rstrip(".")
 
 
+def host_allowed(allowed_hosts: frozenset[str] | None, headers: dict[bytes, bytes]) -> bool:
+    """Whether a request's ``Host`` is served: any with ``allowed_hosts`` None, else loopback names and those."""
+    host = headers.get(b"host")
+    if allowed_hosts is None or host is None:  # HTTP/1.0 without Host: no browser sends that
+        return True
+    name = host_name(host.decode("latin-1"))
+    return is_loopback(name) or name in allowed_hosts
+
+
 @dataclass(frozen=True)
 class RequestGuard:
     """ASGI middleware: 421 for a ``Host`` outside ``allowed_hosts`` (None: any host; loopback names always
@@ -178,13 +187,6 @@ class RequestGuard:
     def _too_large(self) -> Problem:
         return problem_for(BodyTooLarge("body", f"request bodies are limited to {self.max_bytes} bytes"))
 
-    def _host_allowed(self, headers: dict[bytes, bytes]) -> bool:
-        host = headers.get(b"host")
-        if self.allowed_hosts is None or host is None:  # HTTP/1.0 without Host: no browser sends that
-            return True
-        name = host_name(host.decode("latin-1"))
-        return is_loopback(name) or name in self.allowed_hosts
-
     async def _refuse(self, problem: Problem, scope: Scope, receive: Receive, send: Send) -> None:
         await self.answer(scope, problem)(scope, receive, send)
 
@@ -193,7 +195,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if not self._host_allowed(headers):
+        if not host_allowed(self.allowed_hosts, headers):
             detail = f"this exporter does not serve that host name; see {flag_of('allowed_hosts')}"
             await self._refuse(problem_for(HostNotServed("Host", detail)), scope, receive, send)
             return

@@ -379,12 +379,18 @@ async def put_cache_config(request: Request) -> Response:
     return await _shown(await _committed(exporter.state.set_static_labels(key, labels, query.heartbeat)))
 
 
-async def post_heartbeat(request: Request) -> Response:
-    """A replica is alive: its series stay until it misses several heartbeats."""
+def hear_heartbeat(request: Request) -> Future[object] | None:
+    """A heartbeat's checks and its change, without waiting for a commit: the route's, and run as they are
+    beneath the app by ``exporter/quick_heartbeats.py``. ``None`` when heard at once (a single process)."""
     exporter = _exporter(request)
     exporter.credentials.require_ingest(request)
     query = _query(request, HeartbeatQuery)
-    committed = exporter.state.heartbeat((_deployment(request), query.replica), query.interval)
+    return exporter.state.heartbeat((_deployment(request), query.replica), query.interval)
+
+
+async def post_heartbeat(request: Request) -> Response:
+    """A replica is alive: its series stay until it misses several heartbeats."""
+    committed = hear_heartbeat(request)
     if committed is not None:
         await _committed(committed)
     return Response(status_code=204)

@@ -31,16 +31,25 @@ from exporter.listing import DeploymentListing
 from exporter.openapi import Endpoint, openapi_document
 from exporter.probe import Prober
 from exporter.problems import Problem, problem_for, problem_response
+from exporter.quick_heartbeats import QuickHeartbeats
 from exporter.replicas import Replica
 from exporter.request_guard import RequestGuard
-from exporter.routes import ENDPOINTS, EXPOSITION_MEDIA_TYPES, Exporter, get_metrics, is_ingest
+from exporter.routes import (
+    ENDPOINTS,
+    EXPOSITION_MEDIA_TYPES,
+    Exporter,
+    get_metrics,
+    hear_heartbeat,
+    is_ingest,
+    post_heartbeat,
+)
 from exporter.settings import Settings
 from exporter.state import ExporterState
 from exporter.status_page import StatusPage
 from exporter.storage import SqliteStore
 from exporter.telemetry import Telemetry
 from exporter.views import encode_view
-from exporter.web_config import ResponseHeaders
+from exporter.web_config import ResponseHeaders, response_headers
 from protocol import InvalidPayload
 
 
@@ -126,14 +135,23 @@ def create_app(
 
     for kind in (Problem, Refused, InvalidPayload, StorageUnavailable, HTTPException):
         app.add_exception_handler(kind, refuse)
+    allowed_hosts = None if settings.allowed_hosts is None else frozenset(settings.allowed_hosts)
     app.add_middleware(
         RequestGuard,
         max_bytes=settings.max_request_bytes,
         read_timeout=settings.read_timeout_seconds,
-        allowed_hosts=None if settings.allowed_hosts is None else frozenset(settings.allowed_hosts),
+        allowed_hosts=allowed_hosts,
         answer=lambda scope, problem: answer(scope, Request(scope), problem),
     )
     app.add_middleware(ResponseHeaders, web_config=credentials.web_config)
+    # With a shared store a heartbeat is a commit, which only the app awaits.
+    app.state.quick_heartbeats = (
+        QuickHeartbeats(
+            app, post_heartbeat, hear_heartbeat, allowed_hosts, lambda: response_headers(credentials.web_config)
+        )
+        if settings.workers == 1
+        else None
+    )
     return app
 
 

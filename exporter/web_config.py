@@ -163,6 +163,11 @@ def watched_web_config(path: Path) -> Watched[WebConfig]:
     return Watched(f"{WEB_CONFIG_FLAG} {path}", functools.partial(load_web_config, path))
 
 
+def response_headers(web_config: Watched[WebConfig] | None) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers every response carries: ``http_server_config.headers`` of the web config as it is now."""
+    return web_config.current().headers if web_config is not None else ()
+
+
 class ResponseHeaders:
     """ASGI middleware adding ``http_server_config.headers`` of the web config (as it is now) to every response."""
 
@@ -178,7 +183,7 @@ class ResponseHeaders:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                extra = web_config.current().headers
+                extra = response_headers(web_config)
                 if extra:
                     message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
