@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import logging
 import os
 import resource
@@ -148,15 +147,14 @@ def serve(args: argparse.Namespace) -> int:
             "hard limit allows): at most %d connections are served",
             settings.max_connections, descriptors, max_connections,
         )  # fmt: skip
-    protocol = functools.partial(
-        HeartbeatAnsweringProtocol,
+    protocol = HeartbeatAnsweringProtocol.configured(
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout_seconds,
         heartbeats=app.state.quick_heartbeats if settings.workers == 1 else None,
     )
     uvicorn.run(
         app,
-        http=protocol,  # type: ignore[arg-type]  # a partial of a protocol class, which uvicorn instantiates
+        http=protocol,
         factory=settings.workers > 1,
         workers=settings.workers,
         host=host,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ClassVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,7 +23,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from exporter.request_guard import GuardedHttpToolsProtocol, host_allowed
+from exporter.request_guard import ConnectionState, GuardedHttpToolsProtocol, host_allowed
 
 Headers = tuple[tuple[bytes, bytes], ...]
 # A heartbeat's checks and change, as its route runs them: ``None`` when heard at once.
@@ -83,29 +83,38 @@ class QuickHeartbeats:
         return self.response_headers()
 
 
-class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
-    """The guarded protocol, answering the heartbeats that ``heartbeats`` hears without starting the app."""
+class _HeartbeatConnectionState(ConnectionState):
+    __slots__ = ("waiting",)
 
-    def __init__(self, *args: Any, heartbeats: QuickHeartbeats | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.heartbeats = heartbeats
+    def __init__(self, header_room: int) -> None:
+        super().__init__(header_room)
         # A heartbeat whose head is in, answered when its message completes (at once: it has no body).
-        self._waiting: tuple[RequestResponseCycle, ASGIApp] | None = None
+        self.waiting: tuple[RequestResponseCycle, ASGIApp] | None = None
+
+
+class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
+    """The guarded protocol, answering the heartbeats that ``heartbeats`` hears without starting the app
+    (``None``: none; set by ``configured``)."""
+
+    heartbeats: ClassVar[QuickHeartbeats | None] = None
+    connection_state = _HeartbeatConnectionState
+    _connection: _HeartbeatConnectionState
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:  # type: ignore[override]
         heartbeats = self.heartbeats
         if heartbeats is None or app is not self.app or self.access_log or not heartbeats.may_answer(cycle.scope):
             super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
         elif cycle.more_body:
-            self._waiting = (cycle, app)
+            self._connection.waiting = (cycle, app)
         else:  # a pipelined heartbeat, started after the request before it
             self._answer(cycle, app)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        waiting = self._waiting
+        connection = self._connection
+        waiting = connection.waiting
         if waiting is not None and waiting[0] is self.cycle:
-            self._waiting = None
+            connection.waiting = None
             self._answer(*waiting)
 
     def _answer(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:

@@ -6,7 +6,6 @@ answered itself (``QuickHeartbeats.answered``) and compare its bytes with the ap
 
 from __future__ import annotations
 
-import functools
 import gc
 import re
 import socket
@@ -37,12 +36,11 @@ class Server:
         self.app: FastAPI = create_app(settings, registry=CollectorRegistry())
         self.heartbeats: QuickHeartbeats = self.app.state.quick_heartbeats
         self.port = free_port()
-        protocol = functools.partial(
-            HeartbeatAnsweringProtocol, max_header_bytes=8192, header_timeout=5.0,
-            heartbeats=self.heartbeats if quick else None,
-        )  # fmt: skip
+        protocol = HeartbeatAnsweringProtocol.configured(
+            max_header_bytes=8192, header_timeout=5.0, heartbeats=self.heartbeats if quick else None
+        )
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, http=protocol,  # type: ignore[arg-type]
+            self.app, host="127.0.0.1", port=self.port, http=protocol,
             log_level="warning", access_log=False, server_header=False,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -126,6 +124,19 @@ def test_heartbeats_on_a_kept_connection_are_answered_by_the_protocol(serve: Cal
     if settled is not None:
         settled.result(timeout=10)
     assert state.snapshot()[("qwen", "default")].heartbeat_seconds == 30
+
+
+def test_a_connection_keeps_its_attributes_in_a_shared_key_table(serve: Callable[..., Server]) -> None:
+    """Every attribute past CPython's shared-key size would cost each idle connection a dict of its own."""
+    server = serve()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+        connection.sendall(ready() + heartbeat())
+        received = b""
+        while len(_responses(received)) < 2:
+            received += connection.recv(65536)
+        (protocol,) = server.server.server_state.connections
+        attributes = vars(protocol)
+        assert sys.getsizeof(attributes) * 2 < sys.getsizeof({name: value for name, value in attributes.items()})
 
 
 def test_the_quick_answer_is_the_apps_answer(serve: Callable[..., Server], tmp_path: Path) -> None:
