@@ -154,7 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(
         app,
-        http=protocol,
+        http=protocol,  # type: ignore[arg-type]  # a factory of protocols, which uvicorn calls per connection
         factory=settings.workers > 1,
         workers=settings.workers,
         host=host,

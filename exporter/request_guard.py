@@ -9,6 +9,7 @@ error of ``exporter/errors.py`` whose status, title and headers come from ``expo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,10 +72,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     connection_state: ClassVar[type[ConnectionState]] = ConnectionState
 
     @classmethod
-    def configured(cls, **settings: object) -> type[Self]:
-        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, a subclass's),
-        for uvicorn's ``http``: it makes one instance per connection."""
-        return type(cls.__name__, (cls,), settings)
+    def configured(cls, **settings: object) -> Callable[..., Self]:
+        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, a subclass's), for
+        uvicorn's ``http``, which makes one per connection. A partial of a module-level function: it pickles, as
+        uvicorn's worker processes (``--web.workers``) need."""
+        return functools.partial(_configured_protocol, cls, tuple(sorted(settings.items())))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -176,6 +178,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.logger.warning("Refused a request: %s", problem.detail)
         self.transport.write(STATUS_LINE[problem.status] + head + b"\r\n" + body)
         self.transport.close()
+
+
+def _configured_protocol(
+    protocol: type[GuardedHttpToolsProtocol], settings: tuple[tuple[str, object], ...], *args: Any, **kwargs: Any
+) -> GuardedHttpToolsProtocol:
+    return _configured_class(protocol, settings)(*args, **kwargs)
+
+
+@functools.cache
+def _configured_class(
+    protocol: type[GuardedHttpToolsProtocol], settings: tuple[tuple[str, object], ...]
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol with the settings as class attributes: one class per server."""
+    return type(protocol.__name__, (protocol,), dict(settings))
 
 
 def host_name(host: str) -> str:

@@ -7,6 +7,7 @@ answered itself (``QuickHeartbeats.answered``) and compare its bytes with the ap
 from __future__ import annotations
 
 import gc
+import pickle
 import re
 import socket
 import subprocess
@@ -40,7 +41,7 @@ class Server:
             max_header_bytes=8192, header_timeout=5.0, heartbeats=self.heartbeats if quick else None
         )
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, http=protocol,
+            self.app, host="127.0.0.1", port=self.port, http=protocol,  # type: ignore[arg-type]
             log_level="warning", access_log=False, server_header=False,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -202,6 +203,13 @@ def test_pipelined_behind_a_ready_response_answers_stay_in_order(serve: Callable
     answers = server.exchange(ready() + heartbeat() + ready("other") + heartbeat(), 4)
     assert [status(answer) for answer in answers] == [200, 204, 200, 204]
     assert server.heartbeats.answered == 2
+
+
+def test_the_configured_protocol_pickles_for_worker_processes() -> None:
+    """uvicorn sends its config, the protocol included, to each worker process of ``--web.workers``."""
+    protocol = HeartbeatAnsweringProtocol.configured(max_header_bytes=4096, header_timeout=2.0, heartbeats=None)
+    again = pickle.loads(pickle.dumps(protocol))
+    assert (again.args, again.keywords) == (protocol.args, protocol.keywords)
 
 
 def test_several_workers_leave_heartbeats_to_the_app(tmp_path: Path) -> None:
