@@ -190,5 +190,9 @@ def test_the_try_script_prints_vllms_line_beside_the_exporters(vllm_venv: Path) 
     assert tried.returncode == 0, tried.stderr[-5000:]
     vllm, exporter = re.findall(r"^(?:vllm:)?cache_config_info\{.*\}$", tried.stdout, re.M)
     assert vllm.startswith("vllm:cache_config_info{") and 'mamba_block_size="16"' in vllm
-    assert exporter.startswith('cache_config_info{deployment="qwen3-next",') and 'mamba_block_size="640"' in exporter
-    assert tried.stdout.rstrip().endswith("mamba_block_size: 16 -> 640")
+    assert exporter.startswith('cache_config_info{deployment="qwen3-next",')
+    # The size the engine aligned its blocks to depends on the CPU's KV-cache dtype (640 on one machine here,
+    # 384 on another): the exporter shows it as both block sizes, and the script names the change from 16.
+    (true_size,) = set(re.findall(r'(?:^|,|\{)(?:block_size|mamba_block_size)="(\d+)"', exporter))
+    assert int(true_size) > 16
+    assert tried.stdout.rstrip().endswith(f"mamba_block_size: 16 -> {true_size}")
