@@ -183,7 +183,7 @@ def _with_engine(
     if report.engine not in engines:
         rules.limits.check_new_engine(key, len(engines))
     now = rules.wall()
-    engines[report.engine] = engine_report(report.engine, now, response, report.payload, report.wire_format)
+    engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
     static_labels = current.static_labels if current else {}
     heartbeat = _promised(current, heartbeat_seconds)
     replica = build_replica(

@@ -6,7 +6,8 @@ Two formats, negotiated here alone: Prometheus text 0.0.4 and OpenMetrics
 
 The cache-config families (nearly all the bytes) are rendered here from the
 samples of ``exporter/series.py``, one replica at a time and once per change of it (replicas
-are immutable, so the lines are cached by identity). A scrape of a large fleet
+are immutable, so the lines are cached by identity; the info lines, half the bytes, are
+kept deflated). A scrape of a large fleet
 sends them in chunks joined as they go, so no whole copy of it is ever held (a
 small body is joined once per state version);
 for gzip the config families (everything but last-seen and the heartbeat
@@ -24,10 +25,11 @@ tail yet sends one valid gzip stream.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
@@ -35,6 +37,7 @@ from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.utils import floatToGoString
 
+from exporter.replica_map import ReplicaMap
 from exporter.replicas import Replica, ReplicaKey
 from exporter.series import (
     EVERY_LABEL,
@@ -43,7 +46,8 @@ from exporter.series import (
     InfoLabels,
     Labels,
     Sample,
-    liveness_samples,
+    liveness_values,
+    replica_identity,
     replica_samples,
 )
 from exporter.state import ExporterState, PerVersion
@@ -113,11 +117,14 @@ def _pair(label: str, value: str) -> str:
     return f'{label}="{escaped}"'
 
 
+def _labels(labels: Labels) -> str:
+    return ",".join(_pair(label, text) for label, text in labels)
+
+
 def _line(name: str, labels: Labels, value: float) -> str:
     """A sample as both formats write it: who (deployment, replica, engine) first, then the labels in the
     order of the sending vLLM release; values as prometheus_client (so vLLM) writes them, like ``1056.0``."""
-    rendered = ",".join(_pair(label, text) for label, text in labels)
-    return f"{name}{{{rendered}}} {floatToGoString(value)}\n"
+    return f"{name}{{{_labels(labels)}}} {floatToGoString(value)}\n"
 
 
 # A large body is sent in chunks of about this size, joined as they are sent: no whole copy of it is held.
@@ -126,23 +133,51 @@ CHUNK_BYTES = 1 << 20
 JOINED_BYTES = 4 << 20
 
 
-class ReplicaPart(NamedTuple):
-    """A replica's lines, a bytes string per family: its config, its liveness, and their bytes in all."""
+def _deflate(lines: bytes) -> bytes:
+    return zlib.compress(lines, GZIP_LEVEL, -zlib.MAX_WBITS)
 
+
+def _inflate(deflated: bytes) -> bytes:
+    return zlib.decompress(deflated, -zlib.MAX_WBITS)
+
+
+class ReplicaPart(NamedTuple):
+    """A replica's lines: its info lines deflated, its other config families and its liveness (a bytes string per
+    family), and the bytes of all its lines as sent.
+
+    The info lines are half a replica's bytes (each engine's line repeats the release's labels) and deflate to
+    a fourteenth: kept so, a fleet's lines take half the memory, for an inflate of them where a body is built
+    from the lines (a text body, or the gzip one after a config changed).
+    """
+
+    info: bytes
     config: tuple[bytes, ...]
     liveness: tuple[bytes, ...]
     size: int
+    # The replica's identity labels as rendered: a heartbeat's liveness lines need only their values rendered.
+    identity: str
 
     @classmethod
-    def of(cls, config: tuple[bytes, ...], liveness: tuple[bytes, ...]) -> ReplicaPart:
-        return cls(config, liveness, sum(map(len, config)) + sum(map(len, liveness)))
+    def rendered(cls, families: tuple[bytes, ...], identity: str) -> ReplicaPart:
+        """From a bytes string per family, in the order of ``FAMILIES`` (info first, liveness last)."""
+        kept = len(families) - len(LIVENESS)
+        return cls(_deflate(families[0]), families[1:kept], families[kept:], sum(map(len, families)), identity)
+
+    def alive(self, liveness: tuple[bytes, ...]) -> ReplicaPart:
+        """The same config lines with new liveness lines (a heartbeat's)."""
+        size = self.size - sum(map(len, self.liveness)) + sum(map(len, liveness))
+        return self._replace(liveness=liveness, size=size)
+
+    def families(self) -> tuple[bytes, ...]:
+        """A bytes string per family, as sent."""
+        return (_inflate(self.info), *self.config, *self.liveness)
 
 
 class ReplicaLines:
     """Each replica's lines, rendered once per change of it; the byte budget measures what scrapes then send.
 
-    A replica's lines are two tuples of bytes, one per family: its config (all but the ``LIVENESS`` families)
-    and its liveness. ``generation`` counts the changes of the config lines of the fleet (a replica's config
+    A replica's lines are a ``ReplicaPart``: its config (all but the ``LIVENESS`` families, the info lines
+    deflated) and its liveness. ``generation`` counts the changes of the config lines of the fleet (a replica's config
     rendered again, one gone): a cache of what they compress to is good while it stays.
 
     Called from the writer thread (the budget) and from the scrape's thread; a render lost to a race is only
@@ -161,11 +196,12 @@ class ReplicaLines:
         self.generation = 0
         self._generation_lock = threading.Lock()
         self._rendered: dict[ReplicaKey, tuple[Replica, ReplicaPart]] = {}
+        # The sorted keys of the last ``fleet``, with the key set they are of.
+        self._order: tuple[object, list[ReplicaKey]] | None = None
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
         """One replica's lines, a bytes string per family."""
-        part = self.part(replica)
-        return part.config + part.liveness
+        return self.part(replica).families()
 
     def part(self, replica: Replica) -> ReplicaPart:
         """One replica's (config, liveness) lines.
@@ -185,9 +221,7 @@ class ReplicaLines:
             part = self._render(replica)
             self._next_generation()  # before the part is cached: whoever finds it sees the new generation
         else:
-            part = ReplicaPart.of(
-                cached[1].config, self._encode(self.names[-len(LIVENESS) :], liveness_samples(replica))
-            )
+            part = cached[1].alive(self._liveness(cached[1].identity, replica))
         self._rendered[replica.key] = (replica, part)
         return part, rendered
 
@@ -203,8 +237,15 @@ class ReplicaLines:
             self.generation += 1
 
     def _render(self, replica: Replica) -> ReplicaPart:
-        lines = self._encode(self.names, replica_samples(replica, self.info_labels))
-        return ReplicaPart.of(lines[: -len(LIVENESS)], lines[-len(LIVENESS) :])
+        families = self._encode(self.names, replica_samples(replica, self.info_labels))
+        return ReplicaPart.rendered(families, _labels(replica_identity(replica)))
+
+    def _liveness(self, identity: str, replica: Replica) -> tuple[bytes, ...]:
+        """The liveness lines, as ``_encode`` writes them, with the identity labels already rendered."""
+        return tuple(
+            f"{name}{{{identity}}} {floatToGoString(value)}\n".encode() if value is not None else b""
+            for name, value in zip(self.names[-len(LIVENESS) :], liveness_values(replica), strict=True)
+        )
 
     @staticmethod
     def _encode(names: Sequence[str], samples_by_family: Sequence[list[Sample]]) -> tuple[bytes, ...]:
@@ -217,21 +258,34 @@ class ReplicaLines:
         """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
         return (self.part(replica) if replica.key in self._rendered else self._render(replica)).size
 
-    def fleet(self, replicas: Mapping[ReplicaKey, Replica]) -> FleetLines:
-        """The lines of all ``replicas`` in order; only called from one thread at a time."""
+    def fleet(self, replicas: ReplicaMap) -> FleetLines:
+        """The lines of all ``replicas`` in order; only called from one thread at a time.
+
+        While no key came or went (heartbeats only replace replicas), the sorted keys of the last call are kept
+        and no replica can have gone: the call then costs a look per replica and renders only what the writer
+        did not render ahead.
+        """
         before = self.generation
-        parts = []
         own = 0  # the generation's moves made here
-        for key in sorted(replicas):
-            part, rendered = self._part(replicas[key])
-            parts.append(part)
-            own += rendered
-        gone = [key for key in list(self._rendered) if key not in replicas]
-        for key in gone:
-            self._rendered.pop(key, None)
-        if gone:
-            self._next_generation()
-            own += 1
+        if self._order is None or self._order[0] is not replicas.key_set:
+            gone = [key for key in list(self._rendered) if key not in replicas]
+            for key in gone:
+                self._rendered.pop(key, None)
+            if gone:
+                self._next_generation()
+                own += 1
+            self._order = (replicas.key_set, sorted(replicas))
+        order = self._order[1]
+        # The lookups at C speed: a scrape of a large fleet between heartbeats does little else.
+        current = list(map(dict(replicas.items()).__getitem__, order))
+        parts = []
+        for replica, cached in zip(current, map(self._rendered.get, order), strict=True):
+            if cached is not None and cached[0] is replica:
+                parts.append(cached[1])
+            else:
+                part, moved = self._part(replica)
+                parts.append(part)
+                own += moved
         # A config rendered by another thread while the parts were taken (of a replica newer than these): no
         # generation names these parts. Moves made here only are these parts' own: the generation names them.
         after = self.generation
@@ -252,21 +306,30 @@ class FleetLines:
         self.length = sum(map(len, headers)) + sum(part.size for part in parts)
 
     def config_chunks(self) -> Iterator[bytes]:
-        return _chunks(self.headers[: -len(LIVENESS)], [part.config for part in self.parts])
+        """The config families; each replica's info lines are inflated as they are joined, none kept."""
+        headers = self.headers[: -len(LIVENESS)]
+        info = (_inflate(part.info) for part in self.parts)
+        others = _by_family([part.config for part in self.parts], len(headers) - 1)
+        return _chunks(zip(headers, (info, *others), strict=True))
 
     def liveness_chunks(self) -> Iterator[bytes]:
-        return _chunks(self.headers[-len(LIVENESS) :], [part.liveness for part in self.parts])
+        headers = self.headers[-len(LIVENESS) :]
+        return _chunks(zip(headers, _by_family([part.liveness for part in self.parts], len(headers)), strict=True))
 
 
-def _chunks(headers: Sequence[bytes], lines: Sequence[tuple[bytes, ...]]) -> Iterator[bytes]:
+def _by_family(lines: Sequence[tuple[bytes, ...]], families: int) -> list[Iterable[bytes]]:
+    """Per family, every replica's bytes string of it (``lines``: a tuple per replica)."""
+    return [map(operator.itemgetter(family), lines) for family in range(families)]
+
+
+def _chunks(families: Iterable[tuple[bytes, Iterable[bytes]]]) -> Iterator[bytes]:
     """Each family's header, then every replica's lines of it, joined into chunks of about ``CHUNK_BYTES``."""
     group: list[bytes] = []
     size = 0
-    for family, header in enumerate(headers):
+    for header, pieces in families:
         group.append(header)
         size += len(header)
-        for replica_lines in lines:
-            piece = replica_lines[family]
+        for piece in pieces:
             group.append(piece)
             size += len(piece)
             if size >= CHUNK_BYTES:

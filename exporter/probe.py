@@ -171,19 +171,14 @@ def read_vllm(
     # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
     count = len(label_sets)
     now = time.time()
-    engines = {
-        engine: engine_report(
-            engine,
-            now,
-            msgspec.structs.replace(
-                response, num_gpu_blocks=response.num_gpu_blocks // count + (rank < response.num_gpu_blocks % count)
-            ),
-            b"",
-            JSON,
+    responses = {
+        engine: msgspec.structs.replace(
+            response, num_gpu_blocks=response.num_gpu_blocks // count + (rank < response.num_gpu_blocks % count)
         )
         for rank, engine in enumerate(sorted(label_sets))
     }
-    return build_replica((deployment, target.text), None, static, None, now, engines, base_labels)
+    engines = {engine: engine_report(engine, now, b"", JSON) for engine in responses}
+    return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
 
 
 @dataclass(frozen=True)

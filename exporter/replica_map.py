@@ -11,7 +11,10 @@ shard or the outer map as large as the fleet. Hashes are this process's own
 (``PYTHONHASHSEED``): the layout is never stored.
 
 Readers get a ``Mapping``: lookups cost one hash, iterating walks the shards
-(in no particular order: callers that show replicas sort them).
+(in no particular order: callers that show replicas sort them). ``key_set`` stays
+the same object while no key comes or goes, so a reader can keep what it worked
+out from the keys alone (their sorted order) across versions that only replaced
+replicas, as heartbeats do.
 """
 
 from __future__ import annotations
@@ -29,11 +32,18 @@ _EMPTY: dict[ReplicaKey, Replica] = {}
 class ReplicaMap(Mapping[ReplicaKey, Replica]):
     """Every replica by (deployment, replica name); never changed, ``with_changes`` builds the next one."""
 
-    __slots__ = ("_len", "_shards")
+    __slots__ = ("_len", "_shards", "key_set")
 
-    def __init__(self, shards: tuple[dict[ReplicaKey, Replica], ...] = (_EMPTY,) * SHARDS, length: int = 0) -> None:
+    def __init__(
+        self,
+        shards: tuple[dict[ReplicaKey, Replica], ...] = (_EMPTY,) * SHARDS,
+        length: int = 0,
+        key_set: object | None = None,
+    ) -> None:
         self._shards = shards
         self._len = length
+        # Identifies the set of keys: shared with the map this one was built from when no key came or went.
+        self.key_set = object() if key_set is None else key_set
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> ReplicaMap:
@@ -46,6 +56,7 @@ class ReplicaMap(Mapping[ReplicaKey, Replica]):
         shards = list(self._shards)
         copied: set[int] = set()
         length = self._len
+        same_keys = True
         for key, replica in changed.items():
             index = hash(key) % SHARDS
             if index not in copied:
@@ -53,6 +64,7 @@ class ReplicaMap(Mapping[ReplicaKey, Replica]):
                 copied.add(index)
             shard = shards[index]
             had = key in shard
+            same_keys = same_keys and had == (replica is not None)
             if replica is None:
                 if had:
                     del shard[key]
@@ -60,7 +72,7 @@ class ReplicaMap(Mapping[ReplicaKey, Replica]):
             else:
                 shard[key] = replica
                 length += not had
-        return ReplicaMap(tuple(shards), length)
+        return ReplicaMap(tuple(shards), length, self.key_set if same_keys else None)
 
     def __getitem__(self, key: ReplicaKey) -> Replica:
         return self._shards[hash(key) % SHARDS][key]

@@ -17,6 +17,7 @@ from exporter.storage import StoredEngine, StoredReplica
 from protocol import (
     EngineCoreReadyResponse,
     SyncedConfig,
+    decode_accepted_ready_response,
     decode_ready_response,
     decode_static_labels,
     shown_as_json,
@@ -32,26 +33,29 @@ _static_encoder = msgspec.json.Encoder()
 
 
 class EngineReport(msgspec.Struct, frozen=True, gc=False):
-    """One engine's latest ready response: the bytes as received, decoded, and when (Unix seconds).
+    """One engine's latest ready response: the bytes as received (checked then), and when (Unix seconds).
 
-    ``gc=False`` (as for ``Replica``): these hold no cycles, so the collector need not track one per engine.
+    Only the bytes are kept: decoded, a response takes about one and a half times their memory again, and only a
+    sync needs its fields (``response``). ``gc=False`` (as for ``Replica``): these hold no cycles, so the
+    collector need not track one per engine.
     """
 
     engine: int
     received_at: float
-    response: EngineCoreReadyResponse
     payload: bytes
     wire_format: str
     # Bytes of the payload shown as JSON (the listing's view keeps them): counted by ``--limits.bytes``.
     shown_bytes: int
 
+    def response(self) -> EngineCoreReadyResponse:
+        """The ready response, decoded anew from its bytes."""
+        return decode_accepted_ready_response(self.payload, self.wire_format)
 
-def engine_report(
-    engine: int, received_at: float, response: EngineCoreReadyResponse, payload: bytes, wire_format: str
-) -> EngineReport:
-    """An engine's report, with what its JSON view will take measured once, when it arrives."""
+
+def engine_report(engine: int, received_at: float, payload: bytes, wire_format: str) -> EngineReport:
+    """An engine's report of an accepted ready response, with what its JSON view will take measured once."""
     shown_bytes = len(shown_as_json(payload, wire_format))
-    return EngineReport(engine, received_at, response, payload, wire_format, shown_bytes)
+    return EngineReport(engine, received_at, payload, wire_format, shown_bytes)
 
 
 class Replica(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -85,13 +89,16 @@ def build_replica(
     base_labels: Mapping[str, str],
     *,
     seen: float | None = None,
+    responses: Mapping[int, EngineCoreReadyResponse] | None = None,
 ) -> Replica:
     """A replica with its config synced from ``engines`` over ``base_labels`` and its own static labels.
 
-    ``seen`` (expiry's clock, see ``Replica.seen``) is now unless given.
+    ``seen`` (expiry's clock, see ``Replica.seen``) is now unless given. ``responses``: the engines' decoded
+    responses where the caller has them (else each report's bytes are decoded again).
     Raises the protocol's ``SyncConflict`` when the engines contradict each other.
     """
-    responses = {index: report.response for index, report in engines.items()}
+    if responses is None:
+        responses = {index: report.response() for index, report in engines.items()}
     return Replica(
         deployment=key[0],
         name=key[1],
@@ -110,10 +117,10 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float)
 
     ``seen``: its stored ``last_seen`` on the monotonic clock of the process that loads it.
     """
+    # Checked again as they are decoded: the store may be older code's.
+    responses = {engine: decode_ready_response(row.payload, row.wire_format) for engine, row in stored.engines.items()}
     engines = {
-        engine: engine_report(
-            engine, row.received_at, decode_ready_response(row.payload, row.wire_format), row.payload, row.wire_format
-        )
+        engine: engine_report(engine, row.received_at, row.payload, row.wire_format)
         for engine, row in stored.engines.items()
     }
     # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
@@ -128,6 +135,7 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float)
         engines,
         base_labels,
         seen=seen,
+        responses=responses,
     )
 
 

@@ -157,7 +157,7 @@ def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> 
     """One replica's samples, a list per family of ``FAMILIES`` (in that order); ``cache_config_info`` carries the
     labels ``info_labels`` keeps."""
     samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
-    identity: Labels = (("deployment", replica.deployment), ("replica", replica.name))
+    identity = replica_identity(replica)
     samples[SEEN], samples[HEARTBEAT] = liveness_samples(replica)
     if replica.engines:
         synced = replica.synced
@@ -182,11 +182,21 @@ def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> 
     return tuple(samples[family] for family in FAMILIES)
 
 
-def liveness_samples(replica: Replica) -> tuple[list[Sample], list[Sample]]:
-    """The samples of the ``LIVENESS`` families: all that a heartbeat changes."""
-    identity: Labels = (("deployment", replica.deployment), ("replica", replica.name))
-    heartbeat = [(identity, replica.heartbeat_seconds)] if replica.heartbeat_seconds is not None else []
-    return [(identity, replica.last_seen)], heartbeat
+def replica_identity(replica: Replica) -> Labels:
+    """The labels of a replica's own series (an engine's add ``engine``)."""
+    return (("deployment", replica.deployment), ("replica", replica.name))
+
+
+def liveness_values(replica: Replica) -> tuple[float | None, ...]:
+    """All that a heartbeat changes: the value of each ``LIVENESS`` family's one sample, labelled
+    ``replica_identity``; ``None`` where the family has none."""
+    return replica.last_seen, replica.heartbeat_seconds
+
+
+def liveness_samples(replica: Replica) -> tuple[list[Sample], ...]:
+    """The samples of the ``LIVENESS`` families."""
+    identity = replica_identity(replica)
+    return tuple([(identity, value)] if value is not None else [] for value in liveness_values(replica))
 
 
 def _group_samples(samples: dict[Family, list[Sample]], engine_identity: Labels, groups: KVCacheGroups) -> None:

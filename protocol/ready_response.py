@@ -247,6 +247,16 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
     return response
 
 
+def decode_accepted_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineCoreReadyResponse:
+    """A ready response ``decode_ready_response`` accepted before, decoded again: the typed decode alone.
+
+    A holder of many responses can keep their bytes only (decoded, one takes about one and a half times its
+    bytes again) and decode one when it needs its fields.
+    """
+    response: EngineCoreReadyResponse = _decoders[wire_format].decode(payload)
+    return response
+
+
 def shown_as_json(payload: bytes, wire_format: str = MSGPACK) -> msgspec.Raw:
     """The payload as JSON, unknown keys included (for showing what an engine sent); a JSON one as it came."""
     if wire_format == JSON:

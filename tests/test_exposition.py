@@ -20,9 +20,9 @@ from prometheus_client.registry import Collector
 
 from exporter import exposition
 from exporter.exposition import FleetLines, ReplicaLines
+from exporter.replica_map import ReplicaMap
 from exporter.replicas import Replica, build_replica, engine_report
-from exporter.series import FAMILIES, LIVENESS, replica_samples
-from protocol import decode_ready_response
+from exporter.series import FAMILIES, replica_samples
 from tests.helpers.http import MSGPACK
 from tests.support import fixture_bytes
 
@@ -235,17 +235,18 @@ def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding:
 
 def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() -> None:
     payload = fixture_bytes("hybrid-tp1-post50809")
-    report = engine_report(0, 100.0, decode_ready_response(payload), payload, "msgpack")
+    report = engine_report(0, 100.0, payload, "msgpack")
     replica = build_replica(("qwen", "a"), None, {}, None, 100.0, {0: report}, {})
     lines = ReplicaLines()
-    before = lines.of(replica)
+    before = lines.part(replica)
     # A heartbeat keeps the synced config and the engines as the same objects (exporter/changes.py).
     alive = msgspec.structs.replace(replica, heartbeat_seconds=30.0, last_seen=160.0)
-    after = lines.of(alive)
-    assert after == ReplicaLines().of(alive), "the same lines as a fresh render"
-    kept = len(FAMILIES) - len(LIVENESS)
-    assert all(new is old for new, old in zip(after[:kept], before[:kept], strict=True)), "not rendered again"
-    fleet = lines.fleet({alive.key: alive})
+    after = lines.part(alive)
+    assert lines.of(alive) == ReplicaLines().of(alive), "the same lines as a fresh render"
+    assert after.size == sum(map(len, lines.of(alive))) > before.size, "the interval's line added"
+    kept = (after.info, *after.config)
+    assert all(new is old for new, old in zip(kept, (before.info, *before.config), strict=True)), "not rendered again"
+    fleet = lines.fleet(ReplicaMap.of([alive]))
     body = b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()]).decode()
     assert 'cache_config_last_seen_timestamp_seconds{deployment="qwen",replica="a"} 160.0' in body
     assert 'cache_config_heartbeat_interval_seconds{deployment="qwen",replica="a"} 30.0' in body
@@ -256,7 +257,7 @@ def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() 
 
 def _replica(name: str, engines: int, last_seen: float = 100.0) -> Replica:
     payload = fixture_bytes("hybrid-tp1-post50809")
-    report = engine_report(0, 100.0, decode_ready_response(payload), payload, "msgpack")
+    report = engine_report(0, 100.0, payload, "msgpack")
     return build_replica(("qwen", name), None, {}, 30.0, last_seen, dict.fromkeys(range(engines), report), {})
 
 
@@ -264,9 +265,21 @@ def _sent(fleet: FleetLines) -> bytes:
     return b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()])
 
 
+def test_a_replicas_info_lines_are_kept_deflated_and_sent_as_rendered() -> None:
+    """Half of a fleet's lines are info lines, each engine's repeating the release's labels: kept deflated, they
+    take a fraction of their size, and every body still carries them exactly."""
+    replica = _replica("a", 8)
+    part = ReplicaLines().part(replica)
+    samples = replica_samples(replica)[0]
+    info = "".join(exposition._line("cache_config_info", labels, value) for labels, value in samples)
+    assert ReplicaLines().of(replica)[0] == info.encode()
+    assert len(part.info) * 8 < len(info), "deflated"
+    assert info.encode() in _sent(ReplicaLines().fleet(ReplicaMap.of([replica])))
+
+
 def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
     """The body is joined chunk by chunk as it is sent: however it is cut, it is the whole exposition, in order."""
-    replicas = {replica.key: replica for replica in (_replica("b", 2), _replica("a", 1), _replica("c", 3))}
+    replicas = ReplicaMap.of([_replica("b", 2), _replica("a", 1), _replica("c", 3)])
     whole = _sent(ReplicaLines().fleet(replicas))
     monkeypatch.setattr(exposition, "CHUNK_BYTES", 64)
     fleet = ReplicaLines().fleet(replicas)
@@ -278,23 +291,45 @@ def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytes
     assert text.rindex("cache_config_last_seen_timestamp_seconds") > text.rindex("cache_config_info{")
 
 
+def test_scrapes_between_heartbeats_keep_the_order_and_show_every_replica_that_comes_or_goes() -> None:
+    """Versions that only replace replicas reuse the last sorted keys; each body is still the exact one a fresh
+    cache renders, and a replica that comes (in its sorted place) or goes shows at once."""
+    lines = ReplicaLines()
+    fleet = ReplicaMap.of([_replica("c", 1), _replica("a", 2)])
+    for step in range(4):
+        replica = fleet[("qwen", "a")]
+        fleet = fleet.with_changes({replica.key: msgspec.structs.replace(replica, last_seen=200.0 + step)})
+        if step == 1:
+            fleet = fleet.with_changes({("qwen", "b"): _replica("b", 1)})
+        if step == 2:
+            fleet = fleet.with_changes({("qwen", "c"): None})
+        sent = _sent(lines.fleet(fleet)).decode()
+        assert sent == _sent(ReplicaLines().fleet(ReplicaMap.of(fleet.values()))).decode()
+        assert f'cache_config_last_seen_timestamp_seconds{{deployment="qwen",replica="a"}} {200.0 + step}' in sent
+        shown = re.findall(r'cache_config_heartbeat_interval_seconds\{deployment="qwen",replica="(\w)"', sent)
+        assert shown == sorted(key[1] for key in fleet)
+    assert set(lines._rendered) == set(fleet), "the cache holds no replica that went"
+
+
 def test_the_config_generation_moves_with_a_config_or_a_replica_gone_never_with_a_heartbeat() -> None:
     """The compressed config part is reused while the generation stays: a heartbeat must keep it, anything that
     changes a config line must not. A fleet's own renders are named by the generation they leave."""
     lines = ReplicaLines()
     a, b = _replica("a", 1), _replica("b", 1)
-    generation = lines.fleet({a.key: a, b.key: b}).generation
+    both = ReplicaMap.of([a, b])
+    generation = lines.fleet(both).generation
     assert generation != -1, "rendered here only: the generation names these parts"
-    assert lines.fleet({a.key: a, b.key: b}).generation == generation
+    assert lines.fleet(both).generation == generation
     alive = msgspec.structs.replace(a, last_seen=190.0)
-    assert lines.fleet({a.key: alive, b.key: b}).generation == generation
+    assert lines.fleet(both.with_changes({a.key: alive})).generation == generation
     again = msgspec.structs.replace(alive, last_seen=220.0)
     lines.render_ahead([again])  # the writer, after committing a heartbeat
-    assert lines.fleet({a.key: again, b.key: b}).generation == generation
+    assert lines.fleet(both.with_changes({a.key: again})).generation == generation
+    assert lines.fleet(ReplicaMap.of([again, b])).generation == generation, "the same keys in a map of their own"
     pushed = _replica("a", 2, 200.0)
-    pushed_generation = lines.fleet({a.key: pushed, b.key: b}).generation
+    pushed_generation = lines.fleet(both.with_changes({a.key: pushed})).generation
     assert pushed_generation not in (generation, -1)
-    left = lines.fleet({a.key: pushed}).generation
+    left = lines.fleet(both.with_changes({a.key: pushed, b.key: None})).generation
     assert left not in (generation, pushed_generation, -1), "b left"
 
 
@@ -305,7 +340,8 @@ def test_a_config_rendered_by_another_thread_while_the_parts_are_taken_leaves_th
     scrape sees is not its parts', so it names none (and the compressed config part is not reused)."""
     lines = ReplicaLines()
     a, b = _replica("a", 1), _replica("b", 1)
-    lines.fleet({a.key: a, b.key: b})
+    both = ReplicaMap.of([a, b])
+    lines.fleet(both)
     take = lines._part
 
     def writer_meanwhile(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
@@ -314,17 +350,19 @@ def test_a_config_rendered_by_another_thread_while_the_parts_are_taken_leaves_th
         return take(replica)
 
     monkeypatch.setattr(lines, "_part", writer_meanwhile)
-    assert lines.fleet({a.key: a, b.key: b}).generation == -1
+    alive = msgspec.structs.replace(a, last_seen=190.0)  # its liveness lines are taken by the scrape
+    assert lines.fleet(both.with_changes({a.key: alive})).generation == -1
 
 
 def test_a_replica_rendered_ahead_is_not_rendered_again_by_the_scrape() -> None:
     lines = ReplicaLines()
     a = _replica("a", 1)
-    lines.fleet({a.key: a})
+    one = ReplicaMap.of([a])
+    lines.fleet(one)
     alive = msgspec.structs.replace(a, last_seen=190.0)
     lines.render_ahead([alive, _replica("new", 1)])
     ahead = lines.part(alive)
-    assert lines.fleet({alive.key: alive}).parts[0] is ahead
+    assert lines.fleet(one.with_changes({a.key: alive})).parts[0] is ahead
     assert ahead.liveness == ReplicaLines().part(alive).liveness
     # A replica the last scrape did not have is left to the next scrape: the cache keeps no others.
     assert ("qwen", "new") not in lines._rendered
@@ -346,7 +384,7 @@ def test_a_gzip_scrape_after_heartbeats_shows_their_last_seen(loaded: TestClient
 
 def test_a_small_body_is_joined_once_a_large_one_at_every_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scrapes of a small fleet send the body kept for the state version; a large fleet's is never held whole."""
-    replicas = {replica.key: replica for replica in (_replica("a", 3), _replica("b", 3))}
+    replicas = ReplicaMap.of([_replica("a", 3), _replica("b", 3)])
     small = exposition._Rendered(ReplicaLines().fleet(replicas))
     (first,) = small.text()
     (again,) = small.text()

@@ -397,3 +397,29 @@ def test_a_new_version_copies_only_the_shards_it_changes_and_never_touches_the_o
                                  ("new", "r"): old["d8", "r"]}  # fmt: skip
     assert sum(a is not b for a, b in zip(old._shards, new._shards, strict=True)) <= 2 < SHARDS
     assert sorted(new) == sorted(new.keys()) and list(new.values()) == [new[key] for key in new]
+
+
+def test_the_key_set_stays_while_replicas_are_only_replaced() -> None:
+    """What a reader works out from the keys alone (the exposition's sorted order) is good while ``key_set`` is
+    the same object: a replaced replica keeps it, a key that comes or goes (even both in one change) does not."""
+    fleet = Fleet(Rules({}))
+    for name in ("a", "b"):
+        fleet.ready(("d", name), ready(0))
+    both = fleet.replicas
+    a, b = both["d", "a"], both["d", "b"]
+    assert both.with_changes({a.key: b}).key_set is both.key_set
+    added = both.with_changes({("d", "c"): a})
+    removed = both.with_changes({b.key: None})
+    swapped = both.with_changes({b.key: None, ("d", "c"): a})
+    assert len(swapped) == len(both)
+    assert len({id(version.key_set) for version in (both, added, removed, swapped)}) == 4
+    assert removed.with_changes({b.key: None}).key_set is removed.key_set, "removing an absent key changes no key"
+    assert type(both).of([a, b]).key_set is not both.key_set, "maps built apart never share one"
+
+
+def test_an_engines_report_keeps_its_bytes_and_decodes_them_on_demand(fleet: Fleet) -> None:
+    """Decoded, a ready response takes about one and a half times its bytes again: the state keeps the bytes."""
+    fleet.ready(KEY, ready(0))
+    report = fleet.replicas[KEY].engines[0]
+    assert "response" not in type(report).__struct_fields__
+    assert report.payload == RANK0 and report.response() == decode_ready_response(RANK0)

@@ -16,7 +16,7 @@ from exporter.changes import EngineReady, Rules
 from exporter.replica_map import ReplicaMap
 from exporter.replicas import ReplicaKey
 from exporter.writer import Batch, Census
-from protocol import decode_ready_response
+from protocol import decode_ready_response, encode_ready_response
 from tests.support import fixture_bytes
 
 RANK0 = fixture_bytes("dp2-rank0")
@@ -26,10 +26,12 @@ KEY = ("d", "r1")
 
 
 def ready(engine: int, payload: bytes = RANK0, **changed: Any) -> EngineReady:
+    """An engine's ready response as the route hands it over; ``changed`` fields are in its bytes too."""
     response = decode_ready_response(payload)
-    return EngineReady(
-        engine, msgspec.structs.replace(response, **changed) if changed else response, payload, "msgpack"
-    )
+    if changed:
+        response = msgspec.structs.replace(response, **changed)
+        payload = encode_ready_response(response)
+    return EngineReady(engine, response, payload, "msgpack")
 
 
 class Clock:
