@@ -17,12 +17,13 @@ from collections import Counter as Counts
 from collections.abc import Callable, Iterator
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, PlatformCollector, disable_created_metrics
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from exporter import __version__
+from exporter.process_metrics import ProcessMetrics
 
 MULTIPROCESS_ENVIRONMENT = "PROMETHEUS_MULTIPROC_DIR"
 # No ``*_created`` series: a counter's start shows in process_start_time_seconds (and this process owns
@@ -95,7 +96,7 @@ class Telemetry:
         if shared:
             MultiProcessCollector(registry, shared)
         registry.register(_Health(storage_healthy))
-        ProcessCollector(registry=registry)
+        registry.register(ProcessMetrics())
         PlatformCollector(registry=registry)
         self._ticks = itertools.count(1)
         self.generation = 0
