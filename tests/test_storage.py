@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.storage import LastSeen, SqliteStore, StorageError, StoredReplica
+from exporter.storage import PAGE_CACHE_KIB, LastSeen, SqliteStore, StorageError, StoredReplica
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK
 from tests.helpers.sqlite_file import integrity
@@ -136,3 +136,17 @@ def test_a_checkpoint_updates_what_heartbeats_change_of_existing_replicas_only(t
         )
     finally:
         store.close()
+
+
+def test_the_store_keeps_a_small_page_cache_and_still_loads_everything(tmp_path: Path) -> None:
+    """SQLite's page cache is fixed memory of the exporter's own; its rows must all come back through a small one."""
+    store = SqliteStore(tmp_path / "small.db")
+    rows = [StoredReplica(f"d{i}", "r", b"{}", None, None, 1.0) for i in range(3000)]
+    with store.transaction():
+        for row in rows:
+            store.save_replica(row)
+    assert store._db.execute("PRAGMA cache_size").fetchone()[0] == -PAGE_CACHE_KIB
+    store.close()
+    reopened = SqliteStore(tmp_path / "small.db")
+    assert sorted(replica.deployment for replica in reopened.load()) == sorted(row.deployment for row in rows)
+    reopened.close()
