@@ -30,8 +30,8 @@ class ProcessMetrics:
     """A collector of this process' CPU, memory, start time and file descriptors (nothing where there is no
     ``/proc``)."""
 
-    def __init__(self, proc: Path = Path("/proc"), pid: int | None = None) -> None:
-        self._directory = proc / str(os.getpid() if pid is None else pid)
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self._directory = proc / str(os.getpid())
         self._ticks = os.sysconf("SC_CLK_TCK")
         self._page_bytes = resource.getpagesize()
         self._boot_time = _boot_time(proc)
