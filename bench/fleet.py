@@ -57,6 +57,9 @@ REPLICAS_PER_DEPLOYMENT = 40
 IN_FLIGHT = 64
 FILL_IN_FLIGHT = 8
 FILL_BUDGET = 120.0
+# The exporter expires a replica after 3 missed heartbeats (90 s). The heartbeats go in the order of the fill: the
+# first replica's first one comes after the fill and the idle phase. 10 s spare for the scrapes between them.
+FILL_BEFORE_EXPIRY = 3 * HEARTBEAT_SECONDS - IDLE_SECONDS - 10.0
 WINDOW_SECONDS = 5.0
 # The fleet's state is over the default byte budget (128 MiB) from about 50,000 engines on.
 # Every server keeps a connection: as many as the open-file limit lets the exporter serve (it warns of fewer).
@@ -90,9 +93,10 @@ def ready_array(run: str, blocks: int) -> bytes:
     return msgspec.msgpack.encode(responses)
 
 
-def exporter_start(deployment: str, replica: str, run: str, blocks: int, promise: bool) -> tuple[Request, ...]:
-    """What the plugin sends as its server starts: the labels, then the engines in one request."""
-    query = f"replica={replica}" + (f"&heartbeat={HEARTBEAT_SECONDS:g}" if promise else "")
+def exporter_start(deployment: str, replica: str, run: str, blocks: int) -> tuple[Request, ...]:
+    """What the plugin sends as its server starts: the labels, then the engines in one request, with the promise
+    of its heartbeats (the interval every heartbeat then sends)."""
+    query = f"replica={replica}&heartbeat={HEARTBEAT_SECONDS:g}"
     base = f"/api/v1/deployments/{deployment}"
     return (
         Request("PUT", f"{base}/cache-config?{query}", JSON_LABELS, json.dumps(STATIC_LABELS).encode()),
@@ -122,10 +126,9 @@ class Work:
         self.kind = kind
         self.template = template
 
-    def start(self, at: float, kind: str, deployment: str, replica: str, run: str, blocks: int,
-              promise: bool) -> aio.Event:  # fmt: skip
+    def start(self, at: float, kind: str, deployment: str, replica: str, run: str, blocks: int) -> aio.Event:
         if self.kind == "exporter":
-            requests = exporter_start(deployment, replica, run, blocks, promise)
+            requests = exporter_start(deployment, replica, run, blocks)
             return aio.Event(at, kind, requests, client=f"{deployment}/{replica}")
         return aio.Event(at, kind, (push(deployment, replica, self.template, blocks),))
 
@@ -151,8 +154,7 @@ def restarts(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> li
     """Every tenth replica starts a new run, spread over the middle half of the phase."""
     chosen = names[:: round(1 / RESTART_SHARE)]
     return [
-        work.start(seconds / 4 + j * (seconds / 2) / len(chosen), "restart", deployment, replica, f"restart-{j}", 2000,
-                   promise=True)
+        work.start(seconds / 4 + j * (seconds / 2) / len(chosen), "restart", deployment, replica, f"restart-{j}", 2000)
         for j, (deployment, replica) in enumerate(chosen)
     ]  # fmt: skip
 
@@ -196,8 +198,12 @@ async def _phase(
 async def _fill(
     connections: aio.Connections, names: Sequence[tuple[str, str]], work: Work, budget: float
 ) -> dict[str, Any]:
-    """Every replica starts, ``FILL_IN_FLIGHT`` at a time, within ``budget`` seconds."""
-    events = [work.start(0.0, "start", d, replica, "run-0", 1000, promise=False) for d, replica in names]
+    """Every replica starts, ``FILL_IN_FLIGHT`` at a time, within ``budget`` seconds.
+
+    Each with its heartbeat promise, as the plugin starts a server: a replica started first must hear its first
+    heartbeat before it expires, so the fill must take less than ``FILL_BEFORE_EXPIRY`` (``_timeline`` says when not).
+    """
+    events = [work.start(0.0, "start", d, replica, "run-0", 1000) for d, replica in names]
     tally = aio.Tally()
     start = time.monotonic()
     await aio.drive(connections, events, FILL_IN_FLIGHT, start, start + budget, tally)
@@ -226,6 +232,9 @@ async def _timeline(
     try:
         print(f"bench --fleet: {work.kind}, {len(names)} replicas: fill", file=sys.stderr, flush=True)
         result: dict[str, Any] = {"fill": await _fill(connections, names, work, fill_budget)}
+        if work.kind == "exporter" and result["fill"]["seconds"] > FILL_BEFORE_EXPIRY:
+            print(f"bench --fleet: the fill took {result['fill']['seconds']:.0f} s: the first replicas may expire "
+                  "before their first heartbeat", file=sys.stderr, flush=True)  # fmt: skip
         # As Prometheus would have meanwhile: idle starts from a rendered exposition.
         await asyncio.to_thread(_scrape_once, server, "gzip")
         phases = {

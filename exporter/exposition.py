@@ -10,9 +10,9 @@ are immutable, so the lines are cached by identity; the info lines, half the byt
 kept deflated). A scrape of a large fleet
 sends them in chunks joined as they go, so no whole copy of it is ever held (a
 small body is joined once per state version);
-for gzip the config families (everything but last-seen and the heartbeat
-interval, which are last) are compressed once per change of any replica's
-config, and the liveness lines once per state version. The families are
+for gzip the config families (everything but last-seen, which is last) are
+compressed once per change of any replica's config, and the liveness lines once
+per state version. The families are
 gauges, whose lines are the same in both formats, so text and OpenMetrics
 share that part.
 The exporter's own metrics follow, rendered by prometheus_client's encoder of
@@ -24,6 +24,7 @@ tail yet sends one valid gzip stream.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import threading
@@ -111,6 +112,11 @@ def negotiate(accept: str) -> Format:
     return best
 
 
+# Label pairs rendered lately: a fleet's engines repeat the same release's labels and values, line after line.
+PAIRS_KEPT = 4096
+
+
+@functools.lru_cache(maxsize=PAIRS_KEPT)
 def _pair(label: str, value: str) -> str:
     """``label="value"``, escaped as both formats escape label values."""
     escaped = value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -118,7 +124,7 @@ def _pair(label: str, value: str) -> str:
 
 
 def _labels(labels: Labels) -> str:
-    return ",".join(_pair(label, text) for label, text in labels)
+    return ",".join(itertools.starmap(_pair, labels))
 
 
 def _line(name: str, labels: Labels, value: float) -> str:
@@ -196,8 +202,8 @@ class ReplicaLines:
         self.generation = 0
         self._generation_lock = threading.Lock()
         self._rendered: dict[ReplicaKey, tuple[Replica, ReplicaPart]] = {}
-        # The sorted keys of the last ``fleet``, with the key set they are of.
-        self._order: tuple[object, list[ReplicaKey]] | None = None
+        # The lines of the last map a scrape or the writer put in order.
+        self._ordered: _Ordered | None = None
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
         """One replica's lines, a bytes string per family."""
@@ -206,8 +212,8 @@ class ReplicaLines:
     def part(self, replica: Replica) -> ReplicaPart:
         """One replica's (config, liveness) lines.
 
-        A heartbeat replaces the replica but keeps its synced config and engines (the same objects): then only
-        the liveness lines are rendered again, so a fleet's heartbeats cost a scrape little.
+        A heartbeat replaces the replica but keeps its synced config and engines (the same objects) and its
+        interval: then only the liveness lines are rendered again, so a fleet's heartbeats cost a scrape little.
         """
         return self._part(replica)[0]
 
@@ -216,7 +222,12 @@ class ReplicaLines:
         cached = self._rendered.get(replica.key)
         if cached is not None and cached[0] is replica:
             return cached[1], False
-        rendered = cached is None or cached[0].synced is not replica.synced or cached[0].engines is not replica.engines
+        rendered = (
+            cached is None
+            or cached[0].synced is not replica.synced
+            or cached[0].engines is not replica.engines
+            or cached[0].heartbeat_seconds != replica.heartbeat_seconds
+        )
         if rendered:
             part = self._render(replica)
             self._next_generation()  # before the part is cached: whoever finds it sees the new generation
@@ -225,16 +236,35 @@ class ReplicaLines:
         self._rendered[replica.key] = (replica, part)
         return part, rendered
 
-    def render_ahead(self, replicas: Iterable[Replica]) -> None:
-        """Render the lines of changed replicas the cache holds now, on the writer's thread, so that the next
-        scrape finds them: a fleet's heartbeats then cost a scrape only joining and compressing."""
-        for replica in replicas:
-            if replica.key in self._rendered:
-                self._part(replica)
+    def render_ahead(self, before: ReplicaMap, after: ReplicaMap, changed: Iterable[Replica]) -> None:
+        """On the writer's thread, after it replaced ``before`` by ``after`` (``changed`` the replicas it put in):
+        render the changed replicas the cache holds, so that the next scrape finds them.
 
-    def _next_generation(self) -> None:
+        When the lines last put in order are of ``before`` and no key came or went (heartbeats, restarts), they
+        are carried forward to ``after``, the changed replicas' parts put in their places: the next scrape of
+        ``after`` then sends them as they are, without a look at each replica. The carried lines keep their
+        generation while every config part is the same object, else take a new one (a name no other lines have).
+        """
+        ordered = self._ordered
+        if ordered is None or ordered.replicas is not before or after.key_set is not before.key_set:
+            for replica in changed:
+                if replica.key in self._rendered:
+                    self._part(replica)
+            return
+        parts = list(ordered.parts)
+        same_config = ordered.generation >= 0
+        for replica in changed:
+            index = ordered.position[replica.key]
+            part, previous = self._part(replica)[0], parts[index]
+            same_config = same_config and part.info is previous.info and part.config is previous.config
+            parts[index] = part
+        generation = ordered.generation if same_config else self._next_generation()
+        self._ordered = _Ordered(after, ordered.order, ordered.position, parts, generation)
+
+    def _next_generation(self) -> int:
         with self._generation_lock:  # from the writer and the scrape's threads: no increment is lost
             self.generation += 1
+            return self.generation
 
     def _render(self, replica: Replica) -> ReplicaPart:
         families = self._encode(self.names, replica_samples(replica, self.info_labels))
@@ -261,35 +291,59 @@ class ReplicaLines:
     def fleet(self, replicas: ReplicaMap) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time.
 
-        While no key came or went (heartbeats only replace replicas), the sorted keys of the last call are kept
-        and no replica can have gone: the call then costs a look per replica and renders only what the writer
-        did not render ahead.
+        Lines the writer carried forward to this very map are sent as they are. Else, while no key came or went
+        (heartbeats only replace replicas), the sorted keys of the last call are kept and no replica can have
+        gone: the call then costs a look per replica and renders only what the writer did not render ahead.
         """
+        ordered = self._ordered
+        if ordered is not None and ordered.replicas is replicas:
+            return FleetLines(self.headers, ordered.parts, ordered.generation)
         before = self.generation
         own = 0  # the generation's moves made here
-        if self._order is None or self._order[0] is not replicas.key_set:
+        if ordered is None or ordered.replicas.key_set is not replicas.key_set:
             gone = [key for key in list(self._rendered) if key not in replicas]
             for key in gone:
                 self._rendered.pop(key, None)
             if gone:
                 self._next_generation()
                 own += 1
-            self._order = (replicas.key_set, sorted(replicas))
-        order = self._order[1]
-        # The lookups at C speed: a scrape of a large fleet between heartbeats does little else.
+            order = sorted(replicas)
+            position = dict(zip(order, itertools.count()))
+        else:
+            order, position = ordered.order, ordered.position
+        # At C speed while every replica's lines are cached (the writer renders a heartbeat's ahead): a scrape of a
+        # large fleet between heartbeats does little else.
         current = list(map(dict(replicas.items()).__getitem__, order))
-        parts = []
-        for replica, cached in zip(current, map(self._rendered.get, order), strict=True):
-            if cached is not None and cached[0] is replica:
-                parts.append(cached[1])
-            else:
+        cached = list(map(self._rendered.get, order))
+        if None not in cached and all(map(operator.is_, current, map(_REPLICA, cached))):
+            parts = list(map(_PART, cached))
+        else:
+            parts = []
+            for replica in current:
                 part, moved = self._part(replica)
                 parts.append(part)
                 own += moved
         # A config rendered by another thread while the parts were taken (of a replica newer than these): no
         # generation names these parts. Moves made here only are these parts' own: the generation names them.
         after = self.generation
-        return FleetLines(self.headers, parts, after if after == before + own else -1)
+        generation = after if after == before + own else -1
+        self._ordered = _Ordered(replicas, order, position, parts, generation)
+        return FleetLines(self.headers, parts, generation)
+
+
+_REPLICA = operator.itemgetter(0)
+_PART = operator.itemgetter(1)
+
+
+class _Ordered(NamedTuple):
+    """A replica map's lines in the order sent: its sorted keys, where each key is in them, each replica's part,
+    and the generation naming their config lines (-1: none does)."""
+
+    replicas: ReplicaMap
+    order: list[ReplicaKey]
+    position: dict[ReplicaKey, int]
+    parts: list[ReplicaPart]
+    generation: int
 
 
 class FleetLines:
@@ -303,7 +357,7 @@ class FleetLines:
         self.headers = headers
         self.parts = parts
         self.generation = generation
-        self.length = sum(map(len, headers)) + sum(part.size for part in parts)
+        self.length = sum(map(len, headers)) + sum(map(operator.attrgetter("size"), parts))
 
     def config_chunks(self) -> Iterator[bytes]:
         """The config families; each replica's info lines are inflated as they are joined, none kept."""
@@ -313,8 +367,11 @@ class FleetLines:
         return _chunks(zip(headers, (info, *others), strict=True))
 
     def liveness_chunks(self) -> Iterator[bytes]:
+        """The liveness families, a chunk each: a line a replica, a small part of the body joined at C speed."""
         headers = self.headers[-len(LIVENESS) :]
-        return _chunks(zip(headers, _by_family([part.liveness for part in self.parts], len(headers)), strict=True))
+        liveness = list(map(operator.attrgetter("liveness"), self.parts))
+        for header, lines in zip(headers, _by_family(liveness, len(headers)), strict=True):
+            yield header + b"".join(lines)
 
 
 def _by_family(lines: Sequence[tuple[bytes, ...]], families: int) -> list[Iterable[bytes]]:

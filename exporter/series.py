@@ -92,11 +92,12 @@ HEARTBEAT = Family(
     "Seconds between the heartbeats the replica's sender promised; it expires after missing several of them. "
     "Absent for one-off pushes, which never expire.",
 )
-# What a heartbeat changes: the last families, so the others' lines can be kept across heartbeats.
-LIVENESS = (SEEN, HEARTBEAT)
+# What every heartbeat changes: the last family, so the others' lines can be kept across heartbeats. The interval
+# comes with each heartbeat too but is the same each time: it sits with the config families, rendered when it changes.
+LIVENESS = (SEEN,)
 FAMILIES = (
     INFO, *ENGINE_GAUGES, SOURCE, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED, DISTINCT, PARALLEL,
-    *LIVENESS,
+    HEARTBEAT, *LIVENESS,
 )  # fmt: skip
 # Who a series belongs to: on every series, never chosen away (without them two engines' series would collide).
 IDENTITY = ("deployment", "replica", "engine")
@@ -158,7 +159,9 @@ def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> 
     labels ``info_labels`` keeps."""
     samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
     identity = replica_identity(replica)
-    samples[SEEN], samples[HEARTBEAT] = liveness_samples(replica)
+    (samples[SEEN],) = liveness_samples(replica)
+    if replica.heartbeat_seconds is not None:
+        samples[HEARTBEAT].append((identity, replica.heartbeat_seconds))
     if replica.engines:
         synced = replica.synced
         info = info_labels.select(synced.labels)
@@ -190,7 +193,7 @@ def replica_identity(replica: Replica) -> Labels:
 def liveness_values(replica: Replica) -> tuple[float | None, ...]:
     """All that a heartbeat changes: the value of each ``LIVENESS`` family's one sample, labelled
     ``replica_identity``; ``None`` where the family has none."""
-    return replica.last_seen, replica.heartbeat_seconds
+    return (replica.last_seen,)
 
 
 def liveness_samples(replica: Replica) -> tuple[list[Sample], ...]:

@@ -11,7 +11,7 @@ import functools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
@@ -24,7 +24,7 @@ from exporter.limits import ByteBudget, Limits
 from exporter.replica_map import ReplicaMap
 from exporter.replicas import Replica, ReplicaKey, restored
 from exporter.storage import StorageError, Store
-from exporter.writer import Batch, Replicas, Writer
+from exporter.writer import Batch, RenderAhead, Replicas, Writer
 from protocol import EngineCoreReadyResponse, InvalidPayload
 
 
@@ -33,7 +33,7 @@ class ExporterState:
 
     ``clock`` gives Unix seconds (what is shown and stored), ``monotonic`` what expiry counts on; ``measure``
     counts a replica's bytes for ``limits.bytes``; ``committed`` hears what each commit counted (``"accepted"``
-    ready responses, ``"expired"`` replicas); ``render_ahead`` the replicas each commit changed. ``shared_store``:
+    ready responses, ``"expired"`` replicas); ``render_ahead`` each commit that changed replicas. ``shared_store``:
     other processes write the same store (``serve --web.workers N``), so heartbeats are committed rather than kept
     in memory until a checkpoint.
     """
@@ -49,7 +49,7 @@ class ExporterState:
         committed: Callable[[Counter[str]], None] = lambda counts: None,
         monotonic: Callable[[], float] = time.monotonic,
         shared_store: bool = False,
-        render_ahead: Callable[[Iterable[Replica]], None] | None = None,
+        render_ahead: RenderAhead | None = None,
     ) -> None:
         limits = limits or Limits()
         budget = ByteBudget(limits.bytes, measure) if limits.bytes and measure else None

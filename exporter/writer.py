@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -50,6 +50,8 @@ HOUSEKEEPING_SECONDS = 1.0
 CHECKPOINT_SECONDS = 5.0
 
 Replicas = ReplicaMap
+# Hears each commit that changed replicas: the map before it, the map after it, and the replicas it put in.
+RenderAhead = Callable[[Replicas, Replicas, Sequence[Replica]], None]
 
 
 class Census:
@@ -184,10 +186,10 @@ class Writer:
     """Commits changes on its own thread; ``replicas`` is the last committed state.
 
     ``load`` reads the whole state from the store; ``measure`` what a replica takes for the byte budget (``None``:
-    no budget); ``committed`` hears the counts of each committed batch; ``render_ahead`` the replicas each one
-    changed, on this thread, so that scrapes need not render them. ``shared``: other processes write the
-    store too, so every batch looks for their commits; else a batch that writes nothing (heartbeats kept in
-    memory) touches no SQLite at all.
+    no budget); ``committed`` hears the counts of each committed batch; ``render_ahead`` each one that changed
+    replicas, on this thread and before the new state shows, so that scrapes of it need not render them.
+    ``shared``: other processes write the store too, so every batch looks for their commits; else a batch that
+    writes nothing (heartbeats kept in memory) touches no SQLite at all.
     """
 
     def __init__(
@@ -198,7 +200,7 @@ class Writer:
         committed: Callable[[Counter[str]], None],
         measure: Callable[[Replica], int] | None = None,
         shared: bool = False,
-        render_ahead: Callable[[Iterable[Replica]], None] | None = None,
+        render_ahead: RenderAhead | None = None,
     ) -> None:
         self._store = store
         self._render_ahead = render_ahead
@@ -317,7 +319,10 @@ class Writer:
         if current is not self.replicas or batch.changed:
             census.apply(batch)
             self._census = census
-            self.replicas = current.with_changes(batch.changed)
+            replicas = current.with_changes(batch.changed)
+            if self._render_ahead is not None and batch.changed:  # before it shows: a scrape of it finds them
+                self._render_ahead(current, replicas, [replica for replica in batch.changed.values() if replica])
+            self.replicas = replicas
             self.version += 1
         if batch.counts:
             self._committed(batch.counts)
@@ -326,8 +331,6 @@ class Writer:
                 future.set_result(result)
             else:
                 future.set_exception(refused)
-        if self._render_ahead is not None and batch.changed:  # after the answers: they need not wait for it
-            self._render_ahead(replica for replica in batch.changed.values() if replica is not None)
 
     def _transaction(self, writing: bool) -> contextlib.AbstractContextManager[None]:
         """A write transaction; for a batch that only reads, a read one when other processes write the store (it

@@ -236,21 +236,25 @@ def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding:
 def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() -> None:
     payload = fixture_bytes("hybrid-tp1-post50809")
     report = engine_report(0, 100.0, payload, "msgpack")
-    replica = build_replica(("qwen", "a"), None, {}, None, 100.0, {0: report}, {})
+    replica = build_replica(("qwen", "a"), None, {}, 30.0, 100.0, {0: report}, {})
     lines = ReplicaLines()
     before = lines.part(replica)
     # A heartbeat keeps the synced config and the engines as the same objects (exporter/changes.py).
-    alive = msgspec.structs.replace(replica, heartbeat_seconds=30.0, last_seen=160.0)
+    alive = msgspec.structs.replace(replica, last_seen=160.0)
     after = lines.part(alive)
     assert lines.of(alive) == ReplicaLines().of(alive), "the same lines as a fresh render"
-    assert after.size == sum(map(len, lines.of(alive))) > before.size, "the interval's line added"
     kept = (after.info, *after.config)
     assert all(new is old for new, old in zip(kept, (before.info, *before.config), strict=True)), "not rendered again"
     fleet = lines.fleet(ReplicaMap.of([alive]))
     body = b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()]).decode()
     assert 'cache_config_last_seen_timestamp_seconds{deployment="qwen",replica="a"} 160.0' in body
     assert 'cache_config_heartbeat_interval_seconds{deployment="qwen",replica="a"} 30.0' in body
-    # A change of the engines renders everything again.
+    # A heartbeat with a new interval renders the config again (the interval is one of its families), and so does
+    # a change of the engines.
+    generation = lines.generation
+    slower = msgspec.structs.replace(alive, heartbeat_seconds=60.0, last_seen=170.0)
+    assert lines.of(slower) == ReplicaLines().of(slower)
+    assert lines.generation > generation, "the compressed config part is no longer good"
     pushed = build_replica(("qwen", "a"), None, {}, 30.0, 170.0, {0: report, 1: report}, {})
     assert lines.of(pushed) == ReplicaLines().of(pushed)
 
@@ -323,7 +327,7 @@ def test_the_config_generation_moves_with_a_config_or_a_replica_gone_never_with_
     alive = msgspec.structs.replace(a, last_seen=190.0)
     assert lines.fleet(both.with_changes({a.key: alive})).generation == generation
     again = msgspec.structs.replace(alive, last_seen=220.0)
-    lines.render_ahead([again])  # the writer, after committing a heartbeat
+    lines.render_ahead(both, both.with_changes({a.key: again}), [again])  # the writer, after a heartbeat
     assert lines.fleet(both.with_changes({a.key: again})).generation == generation
     assert lines.fleet(ReplicaMap.of([again, b])).generation == generation, "the same keys in a map of their own"
     pushed = _replica("a", 2, 200.0)
@@ -346,7 +350,8 @@ def test_a_config_rendered_by_another_thread_while_the_parts_are_taken_leaves_th
 
     def writer_meanwhile(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
         if replica.key == a.key:
-            lines.render_ahead([_replica("b", 2, 200.0)])
+            pushed = _replica("b", 2, 200.0)
+            lines.render_ahead(both, both.with_changes({b.key: pushed}), [pushed])
         return take(replica)
 
     monkeypatch.setattr(lines, "_part", writer_meanwhile)
@@ -359,13 +364,85 @@ def test_a_replica_rendered_ahead_is_not_rendered_again_by_the_scrape() -> None:
     a = _replica("a", 1)
     one = ReplicaMap.of([a])
     lines.fleet(one)
-    alive = msgspec.structs.replace(a, last_seen=190.0)
-    lines.render_ahead([alive, _replica("new", 1)])
+    alive, new = msgspec.structs.replace(a, last_seen=190.0), _replica("new", 1)
+    lines.render_ahead(one, one.with_changes({a.key: alive, new.key: new}), [alive, new])
     ahead = lines.part(alive)
     assert lines.fleet(one.with_changes({a.key: alive})).parts[0] is ahead
     assert ahead.liveness == ReplicaLines().part(alive).liveness
     # A replica the last scrape did not have is left to the next scrape: the cache keeps no others.
     assert ("qwen", "new") not in lines._rendered
+
+
+def _forbid_renders(lines: ReplicaLines, monkeypatch: pytest.MonkeyPatch) -> None:
+    def render(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
+        raise AssertionError(f"{replica.key} looked at by the scrape")
+
+    monkeypatch.setattr(lines, "_part", render)
+
+
+def test_the_writer_carries_the_last_scrapes_lines_forward_and_the_next_scrape_sends_them_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Heartbeats and restarts keep the keys: the writer puts the changed replicas' parts in place, so a scrape
+    between heartbeats looks at no replica, and its body is still the one a fresh cache renders."""
+    lines = ReplicaLines()
+    fleet = ReplicaMap.of([_replica("c", 1), _replica("a", 2), _replica("b", 1)])
+    generation = lines.fleet(fleet).generation
+    bodies = []
+    for step, change in enumerate(["heartbeat", "heartbeat", "restart", "heartbeat"]):
+        a = fleet[("qwen", "a")]
+        changed = (
+            msgspec.structs.replace(a, last_seen=300.0 + step) if change == "heartbeat" else _replica("a", 3, 300.0)
+        )
+        after = fleet.with_changes({a.key: changed})
+        lines.render_ahead(fleet, after, [changed])
+        with monkeypatch.context() as patched:
+            _forbid_renders(lines, patched)
+            carried = lines.fleet(after)
+        assert _sent(carried) == _sent(ReplicaLines().fleet(ReplicaMap.of(after.values())))
+        bodies.append((change, carried.generation))
+        fleet = after
+    assert [kept for change, kept in bodies if change == "heartbeat"][:2] == [generation, generation]
+    restarted = bodies[2][1]
+    assert restarted not in (generation, -1), "a config changed: a name no other lines have"
+    assert bodies[3][1] == restarted
+
+
+def test_lines_are_carried_forward_only_from_the_map_before_and_only_while_the_keys_stay() -> None:
+    lines = ReplicaLines()
+    a, b, c = _replica("a", 1), _replica("b", 1), _replica("c", 1)
+    both = ReplicaMap.of([a, b])
+    lines.fleet(both)
+    # A commit the writer did not hand over (b's heartbeat), then one it did (a's): the lines are of ``both``, not
+    # of the map before a's heartbeat, so nothing is carried and the scrape shows both heartbeats.
+    skipped = both.with_changes({b.key: msgspec.structs.replace(b, last_seen=190.0)})
+    alive = msgspec.structs.replace(a, last_seen=200.0)
+    after = skipped.with_changes({a.key: alive})
+    lines.render_ahead(skipped, after, [alive])
+    assert _sent(lines.fleet(after)) == _sent(ReplicaLines().fleet(ReplicaMap.of(after.values())))
+    # A key came: the scrape puts the keys in order again.
+    grown = after.with_changes({c.key: c})
+    lines.render_ahead(after, grown, [c])
+    assert [part.identity for part in lines.fleet(grown).parts] == [
+        'deployment="qwen",replica="a"',
+        'deployment="qwen",replica="b"',
+        'deployment="qwen",replica="c"',
+    ]
+
+
+def test_carried_lines_unnamed_by_the_scrape_get_a_generation_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape's lines that no generation names (-1) are compressed at every scrape; carried forward, they take a
+    new name, so the scrapes after the next heartbeat reuse their compressed config part again."""
+    lines = ReplicaLines()
+    a, b = _replica("a", 1), _replica("b", 1)
+    both = ReplicaMap.of([a, b])
+    lines.fleet(both)
+    monkeypatch.setattr(lines, "_ordered", lines._ordered._replace(generation=-1))  # type: ignore[union-attr]
+    alive = msgspec.structs.replace(a, last_seen=190.0)
+    after = both.with_changes({a.key: alive})
+    lines.render_ahead(both, after, [alive])
+    named = lines.fleet(after).generation
+    assert named == lines.generation != -1
 
 
 def test_a_gzip_scrape_after_heartbeats_shows_their_last_seen(loaded: TestClient) -> None:

@@ -3,10 +3,11 @@ store or a failing change refused alone."""
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from exporter import writer
 from exporter.changes import EngineReady, ReadyOutcome
 from exporter.errors import StorageUnavailable
+from exporter.replica_map import ReplicaMap
 from exporter.replicas import Replica
 from exporter.state import ExporterState
 from exporter.storage import SqliteStore
@@ -157,7 +159,13 @@ def test_every_commit_hands_what_it_changed_to_render_ahead_heartbeats_too(tmp_p
     store, wall = GatedStore(tmp_path / "state.db"), Wall()
     store.gate.set()
     handed: list[Replica] = []
-    state = ExporterState(store, {}, wall, render_ahead=handed.extend)
+    maps: list[tuple[ReplicaMap, ReplicaMap]] = []
+
+    def render_ahead(before: ReplicaMap, after: ReplicaMap, changed: Sequence[Replica]) -> None:
+        maps.append((before, after))
+        handed.extend(changed)
+
+    state = ExporterState(store, {}, wall, render_ahead=render_ahead)
     try:
         pushed = state.apply_ready(KEY, 0, RESPONSE, PAYLOAD, "msgpack", 30.0).result(timeout=10)
         wait_until(lambda: pushed in handed, timeout=10)
@@ -167,6 +175,8 @@ def test_every_commit_hands_what_it_changed_to_render_ahead_heartbeats_too(tmp_p
         assert handed[-1].last_seen == wall.now
         assert state.delete_replica(KEY).result(timeout=10)
         assert all(replica is not None for replica in handed), "a removal hands nothing"
+        assert maps[-1][1] is state.snapshot() and KEY not in maps[-1][1] and KEY in maps[-1][0]
+        assert all(after is before for (_, after), (before, _) in itertools.pairwise(maps)), "each map after the last"
     finally:
         state.close()
         store.close()
