@@ -31,7 +31,7 @@ from exporter.limits import ByteBudget, Limits
 from exporter.replicas import Replica, ReplicaKey, build_replica, engine_report, stored_engine, stored_replica
 from exporter.storage import Store, StoredEngine
 from exporter.writer import Batch
-from protocol import EngineCoreReadyResponse, InvalidPayload, is_set
+from protocol import EngineCoreReadyResponse, InvalidPayload, check_agreement, is_set
 
 log = logging.getLogger("cache_config_exporter.state")
 
@@ -142,6 +142,10 @@ def _take(
     heartbeat_seconds: float | None,
     measure_each: bool,
 ) -> _Taken:
+    if not measure_each:
+        together = _take_together(rules, batch, key, reports, heartbeat_seconds)
+        if together is not None:
+            return together
     taken = _Taken(batch.get(key))
     for report in reports:
         try:
@@ -159,6 +163,55 @@ def _take(
             functools.partial(_save_engine, key, report.engine, stored_engine(candidate.engines[report.engine]))
         )
     return taken
+
+
+def _take_together(
+    rules: Rules, batch: Batch, key: ReplicaKey, reports: Sequence[EngineReady], heartbeat_seconds: float | None
+) -> _Taken | None:
+    """The responses taken with one sync, of the replica they make at the end; ``None`` when they must be taken
+    one by one.
+
+    Taken in turn, each response makes a set of engines that the sync checks; what the sync refuses is engines that
+    disagree (``check_agreement``). So each set on the way is checked for that alone, and the replica is synced once.
+    Any refusal, or a restart after the first response (it drops engines taken before it), is left to the turn by
+    turn way, which names the response refused and stages the writes in their order.
+    """
+    current = batch.get(key)
+    engines = dict(current.engines) if current else {}
+    instance_id = current.instance_id if current else None
+    restarted = False
+    now = rules.wall()
+    try:
+        if current is None:
+            rules.limits.check_new_replica(batch, key)
+        responses: dict[int, EngineCoreReadyResponse] | None = None
+        for report in reports:
+            response = report.response
+            if is_set(response.instance_id) and response.instance_id != instance_id:
+                if report is not reports[0]:
+                    return None
+                restarted, instance_id = bool(engines), response.instance_id
+                engines.clear()
+            if responses is None:  # the engines kept from before, decoded once
+                responses = {engine: kept.response() for engine, kept in engines.items()}
+            if report.engine not in engines:
+                rules.limits.check_new_engine(key, len(engines))
+            engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
+            responses[report.engine] = response
+            check_agreement(list(responses.values()))
+        static_labels = current.static_labels if current else {}
+        updated = build_replica(
+            key, instance_id, static_labels, _promised(current, heartbeat_seconds), now, engines, rules.base_labels,
+            seen=rules.monotonic(), responses=responses,
+        )  # fmt: skip
+    except (Refused, InvalidPayload):
+        return None
+    writes: list[Callable[[Store], None]] = [functools.partial(_delete_engines, key)] if restarted else []
+    writes.extend(
+        functools.partial(_save_engine, key, report.engine, stored_engine(updated.engines[report.engine]))
+        for report in reports
+    )
+    return _Taken(updated, writes=writes, accepted=len(reports))
 
 
 def _delete_engines(key: ReplicaKey, store: Store) -> None:

@@ -18,7 +18,15 @@ from protocol.ready_response import (
     spec_kind,
 )
 from protocol.releases import Release, release_of, releases
-from protocol.sync import FROM_GROUPS, FROM_RULE, EngineFigures, SyncedConfig, check_engine_index, sync
+from protocol.sync import (
+    FROM_GROUPS,
+    FROM_RULE,
+    EngineFigures,
+    SyncedConfig,
+    check_agreement,
+    check_engine_index,
+    sync,
+)
 
 __all__ = [
     "FROM_GROUPS",
@@ -33,6 +41,7 @@ __all__ = [
     "Release",
     "SyncConflict",
     "SyncedConfig",
+    "check_agreement",
     "check_engine_index",
     "decode_accepted_ready_response",
     "decode_ready_response",

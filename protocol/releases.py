@@ -107,14 +107,20 @@ def release_of(vllm_version: str | None, keys: frozenset[str]) -> Release:
     the newest release that sends exactly these keys, else the oldest that sends
     all of them.
     """
-    known = releases()
+    known = _versions_and_fields()
     key = version_key(vllm_version) if vllm_version else ()
-    older = [release for release in known if release.key <= key] if key else []
+    older = [release for version, _, release in known if version <= key] if key else []
     if older:
         return older[-1]
-    keys = keys & known[-1].field_names
-    exact = [release for release in known if release.field_names == keys]
+    keys = keys & known[-1][1]
+    exact = [release for _, fields, release in known if fields == keys]
     if exact:
         return exact[-1]
-    covering = [release for release in known if keys <= release.field_names]
-    return covering[0] if covering else known[-1]
+    covering = [release for _, fields, release in known if keys <= fields]
+    return covering[0] if covering else known[-1][2]
+
+
+@cache
+def _versions_and_fields() -> tuple[tuple[tuple[int, ...], frozenset[str], Release], ...]:
+    """Each release's version key and field names, worked out once: every sync of a replica looks its release up."""
+    return tuple((release.key, release.field_names, release) for release in releases())

@@ -166,6 +166,62 @@ def test_several_engines_are_checked_alone_and_staged_once(wall: Clock, monotoni
     assert [name for name, _ in fleet.store.calls] == ["save_replica", "save_engine", "save_engine"]
 
 
+ARRAYS = {
+    "a new replica's engines": ((), (ready(0), ready(1, RANK1))),
+    "a restart's engines": ((ready(0), ready(1, RANK1)), (ready(0, instance_id="b"), ready(1, RANK1, instance_id="b"))),
+    "a restart after an engine": ((), (ready(0), ready(1, RANK1, instance_id="b"))),
+    "a restart after a refused engine": (
+        (ready(0), ready(1, RANK1)),
+        (ready(1, CONFLICTING), ready(0, instance_id="b")),
+    ),
+    "kept engines replaced one by one": (
+        (ready(0), ready(1, RANK1)),
+        (ready(0, CONFLICTING, data_parallel_rank=0), ready(1, CONFLICTING)),
+    ),
+    "a conflict with a kept engine": ((ready(0),), (ready(1, CONFLICTING),)),
+    "an engine twice": ((), (ready(0), ready(1, CONFLICTING), ready(1, RANK1))),
+    "a kept engine replaced": ((ready(0), ready(1, RANK1)), (ready(0, num_gpu_blocks=77),)),
+    "a conflict within the array": ((), (ready(0), ready(1, CONFLICTING))),
+}
+
+
+@pytest.mark.parametrize("before, array", ARRAYS.values(), ids=ARRAYS.keys())
+def test_an_array_is_taken_as_its_responses_one_by_one_would_be(
+    before: tuple[EngineReady, ...], array: tuple[EngineReady, ...], wall: Clock, monotonic: Clock
+) -> None:
+    together, in_turn = (Fleet(Rules({}, Limits(), wall, monotonic)) for _ in range(2))
+    for fleet in (together, in_turn):
+        if before:
+            fleet.ready(KEY, *before)
+    outcome = together.ready(KEY, *array)
+    refused: dict[int, Exception] = {}
+    for report in array:  # a later response of an engine, taken, replaces its refusal
+        error = in_turn.ready(KEY, report).refused.get(report.engine)
+        if error is None:
+            refused.pop(report.engine, None)
+        else:
+            refused[report.engine] = error
+    assert {engine: type(error) for engine, error in outcome.refused.items()} == {
+        engine: type(error) for engine, error in refused.items()
+    }
+    mine, theirs = together.replicas[KEY], in_turn.replicas[KEY]
+    assert (mine.instance_id, mine.synced) == (theirs.instance_id, theirs.synced)
+    assert {e: r.payload for e, r in mine.engines.items()} == {e: r.payload for e, r in theirs.engines.items()}
+
+
+def test_a_servers_start_is_synced_once_however_many_engines(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DP=8 server's start: one sync of the replica its eight engines make, not one per engine."""
+    fleet.ready(KEY, *(ready(rank, data_parallel_rank=rank, data_parallel_size=8) for rank in range(8)))
+    builds = []
+    build = changes.build_replica
+    monkeypatch.setattr(changes, "build_replica", lambda *a, **k: builds.append(a) or build(*a, **k))
+    run = [ready(rank, data_parallel_rank=rank, data_parallel_size=8, instance_id="next") for rank in range(8)]
+    fleet.store.calls.clear()
+    outcome = fleet.ready(KEY, *run)
+    assert (len(builds), outcome.refused, set(outcome.replica.engines)) == (1, {}, set(range(8)))
+    assert [name for name, _ in fleet.store.calls] == ["save_replica", "delete_engines"] + ["save_engine"] * 8
+
+
 def test_a_refused_engine_alone_changes_nothing(fleet: Fleet) -> None:
     fleet.ready(KEY, ready(0))
     before = fleet.replicas

@@ -26,12 +26,11 @@ KEY = ("d", "r1")
 
 
 def ready(engine: int, payload: bytes = RANK0, **changed: Any) -> EngineReady:
-    """An engine's ready response as the route hands it over; ``changed`` fields are in its bytes too."""
-    response = decode_ready_response(payload)
+    """An engine's ready response as the route hands it over (decoded from its bytes); ``changed`` fields are in
+    its bytes."""
     if changed:
-        response = msgspec.structs.replace(response, **changed)
-        payload = encode_ready_response(response)
-    return EngineReady(engine, response, payload, "msgpack")
+        payload = encode_ready_response(msgspec.structs.replace(decode_ready_response(payload), **changed))
+    return EngineReady(engine, decode_ready_response(payload), payload, "msgpack")
 
 
 class Clock:
