@@ -127,10 +127,15 @@ def _labels(labels: Labels) -> str:
     return ",".join(itertools.starmap(_pair, labels))
 
 
+# Values rendered lately: block sizes, counts and flags repeat across engines and families; a Go float is slow.
+VALUES_KEPT = 4096
+_value = functools.lru_cache(maxsize=VALUES_KEPT)(floatToGoString)
+
+
 def _line(name: str, labels: Labels, value: float) -> str:
     """A sample as both formats write it: who (deployment, replica, engine) first, then the labels in the
     order of the sending vLLM release; values as prometheus_client (so vLLM) writes them, like ``1056.0``."""
-    return f"{name}{{{_labels(labels)}}} {floatToGoString(value)}\n"
+    return f"{name}{{{_labels(labels)}}} {_value(value)}\n"
 
 
 # A large body is sent in chunks of about this size, joined as they are sent: no whole copy of it is held.
@@ -251,15 +256,18 @@ class ReplicaLines:
                 if replica.key in self._rendered:
                     self._part(replica)
             return
-        parts = list(ordered.parts)
+        parts, liveness, length = list(ordered.parts), list(map(list, ordered.liveness)), ordered.length
         same_config = ordered.generation >= 0
         for replica in changed:
             index = ordered.position[replica.key]
             part, previous = self._part(replica)[0], parts[index]
             same_config = same_config and part.info is previous.info and part.config is previous.config
             parts[index] = part
+            length += part.size - previous.size
+            for lines, replica_lines in zip(liveness, part.liveness, strict=True):
+                lines[index] = replica_lines
         generation = ordered.generation if same_config else self._next_generation()
-        self._ordered = _Ordered(after, ordered.order, ordered.position, parts, generation)
+        self._ordered = _Ordered(after, ordered.order, ordered.position, parts, liveness, length, generation)
 
     def _next_generation(self) -> int:
         with self._generation_lock:  # from the writer and the scrape's threads: no increment is lost
@@ -297,7 +305,7 @@ class ReplicaLines:
         """
         ordered = self._ordered
         if ordered is not None and ordered.replicas is replicas:
-            return FleetLines(self.headers, ordered.parts, ordered.generation)
+            return FleetLines(self.headers, ordered)
         before = self.generation
         own = 0  # the generation's moves made here
         if ordered is None or ordered.replicas.key_set is not replicas.key_set:
@@ -327,22 +335,33 @@ class ReplicaLines:
         # generation names these parts. Moves made here only are these parts' own: the generation names them.
         after = self.generation
         generation = after if after == before + own else -1
-        self._ordered = _Ordered(replicas, order, position, parts, generation)
-        return FleetLines(self.headers, parts, generation)
+        liveness = [list(map(operator.itemgetter(family), map(_LIVENESS, parts))) for family in range(len(LIVENESS))]
+        length = sum(map(_SIZE, parts))
+        self._ordered = _Ordered(replicas, order, position, parts, liveness, length, generation)
+        return FleetLines(self.headers, self._ordered)
 
 
 _REPLICA = operator.itemgetter(0)
 _PART = operator.itemgetter(1)
+_LIVENESS = operator.attrgetter("liveness")
+_SIZE = operator.attrgetter("size")
 
 
 class _Ordered(NamedTuple):
     """A replica map's lines in the order sent: its sorted keys, where each key is in them, each replica's part,
-    and the generation naming their config lines (-1: none does)."""
+    each liveness family's lines (a list per family, in the same order), the bytes of all parts, and the
+    generation naming their config lines (-1: none does).
+
+    The liveness lines and the length are kept apart from the parts so that a body of lines carried forward
+    costs what changed: a scrape then joins the liveness lines as they are and sums nothing.
+    """
 
     replicas: ReplicaMap
     order: list[ReplicaKey]
     position: dict[ReplicaKey, int]
     parts: list[ReplicaPart]
+    liveness: list[list[bytes]]
+    length: int
     generation: int
 
 
@@ -353,11 +372,12 @@ class FleetLines:
     cached gzip-compressed while ``generation`` stays, whatever heartbeats change after it.
     """
 
-    def __init__(self, headers: Sequence[bytes], parts: Sequence[ReplicaPart], generation: int) -> None:
+    def __init__(self, headers: Sequence[bytes], ordered: _Ordered) -> None:
         self.headers = headers
-        self.parts = parts
-        self.generation = generation
-        self.length = sum(map(len, headers)) + sum(map(operator.attrgetter("size"), parts))
+        self.parts = ordered.parts
+        self.liveness = ordered.liveness
+        self.generation = ordered.generation
+        self.length = sum(map(len, headers)) + ordered.length
 
     def config_chunks(self) -> Iterator[bytes]:
         """The config families; each replica's info lines are inflated as they are joined, none kept."""
@@ -368,9 +388,7 @@ class FleetLines:
 
     def liveness_chunks(self) -> Iterator[bytes]:
         """The liveness families, a chunk each: a line a replica, a small part of the body joined at C speed."""
-        headers = self.headers[-len(LIVENESS) :]
-        liveness = list(map(operator.attrgetter("liveness"), self.parts))
-        for header, lines in zip(headers, _by_family(liveness, len(headers)), strict=True):
+        for header, lines in zip(self.headers[-len(LIVENESS) :], self.liveness, strict=True):
             yield header + b"".join(lines)
 
 

@@ -266,7 +266,10 @@ def _replica(name: str, engines: int, last_seen: float = 100.0) -> Replica:
 
 
 def _sent(fleet: FleetLines) -> bytes:
-    return b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()])
+    """The body's lines, checked against the length announced for them (a scrape's ``Content-Length``)."""
+    body = b"".join([*fleet.config_chunks(), *fleet.liveness_chunks()])
+    assert len(body) == fleet.length
+    return body
 
 
 def test_a_replicas_info_lines_are_kept_deflated_and_sent_as_rendered() -> None:
