@@ -335,7 +335,7 @@ class ReplicaLines:
         # generation names these parts. Moves made here only are these parts' own: the generation names them.
         after = self.generation
         generation = after if after == before + own else -1
-        liveness = [list(map(operator.itemgetter(family), map(_LIVENESS, parts))) for family in range(len(LIVENESS))]
+        liveness = list(map(list, _by_family(list(map(_LIVENESS, parts)), len(LIVENESS))))
         length = sum(map(_SIZE, parts))
         self._ordered = _Ordered(replicas, order, position, parts, liveness, length, generation)
         return FleetLines(self.headers, self._ordered)
