@@ -59,7 +59,10 @@ VARIABLES = (
     vllm_plugin.TOKEN_VARIABLE,
     vllm_plugin.TIMEOUT_VARIABLE,
 )
+# The plugin's timeout against an exporter that hangs. Elsewhere an answer is waited for as long as a loaded
+# machine may take: a request given up on is repeated, and the tests count requests.
 TIMEOUT = 0.25
+ANSWER_TIMEOUT = 30.0
 
 
 def is_vllm(module_name: str) -> bool:
@@ -152,9 +155,11 @@ def running(client: Any) -> Any:
 
 
 def plugin_on(monkeypatch: pytest.MonkeyPatch, url: str, **variables: str) -> None:
-    """Set the plugin's variables (``deployment=...`` sets CACHE_CONFIG_EXPORTER_DEPLOYMENT) and load it."""
+    """Set the plugin's variables (``deployment=...`` sets CACHE_CONFIG_EXPORTER_DEPLOYMENT) and load it.
+
+    The timeout is ``ANSWER_TIMEOUT`` unless ``timeout=...`` is given."""
     monkeypatch.setenv(vllm_plugin.URL_VARIABLE, url)
-    monkeypatch.setenv(vllm_plugin.TIMEOUT_VARIABLE, str(TIMEOUT))
+    monkeypatch.setenv(vllm_plugin.TIMEOUT_VARIABLE, str(ANSWER_TIMEOUT))
     for name, value in variables.items():
         monkeypatch.setenv(f"CACHE_CONFIG_EXPORTER_{name.upper()}", value)
     register()
@@ -498,7 +503,7 @@ def test_an_exporter_away_changes_nothing_for_vllm_and_gets_everything_once_back
     port = free_port()
     server = stub(port=port, **exporter) if exporter is not None else None
     url = f"http://127.0.0.1:{port}"
-    plugin_on(monkeypatch, url)
+    plugin_on(monkeypatch, url, timeout=str(TIMEOUT))
     client = frontend()
     for payload in two_engines():
         started = time.monotonic()
@@ -568,7 +573,12 @@ def test_goodbye_removes_the_replica_and_an_exporter_that_hangs_neither_delays_n
         # Takes connections (the kernel does) but never answers.
         hanging.bind(("127.0.0.1", 0))
         hanging.listen(8)
-        plugin_on(monkeypatch, f"{server.url}, http://127.0.0.1:{hanging.getsockname()[1]}", replica="r1")
+        plugin_on(
+            monkeypatch,
+            f"{server.url}, http://127.0.0.1:{hanging.getsockname()[1]}",
+            replica="r1",
+            timeout=str(TIMEOUT),
+        )
         frontend()._apply_ready_response(ready_response())
         (answering,) = [delivery for delivery in forwarder().deliveries if delivery.url == server.url]
         assert answering.flush(10)
@@ -612,7 +622,7 @@ def test_the_goodbye_is_said_once_so_that_being_asked_again_at_exit_waits_no_mor
     monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
 ) -> None:
     server = stub()
-    plugin_on(monkeypatch, server.url, replica="r1")
+    plugin_on(monkeypatch, server.url, replica="r1", timeout=str(TIMEOUT))
     client = running(frontend())
     client._apply_ready_response(ready_response())
     assert forwarder().flush(10)
