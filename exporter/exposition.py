@@ -11,15 +11,16 @@ kept deflated). A scrape of a large fleet
 sends them in chunks joined as they go, so no whole copy of it is ever held (a
 small body is joined once per state version);
 for gzip the config families (everything but last-seen, which is last) are
-compressed once per change of any replica's config, and the liveness lines once
-per state version. The families are
+compressed once per change of any replica's config, and the liveness lines go
+stored (deflate's blocks without compression): they change with every heartbeat,
+so each new state version would compress them anew for each scrape. The families are
 gauges, whose lines are the same in both formats, so text and OpenMetrics
 share that part.
 The exporter's own metrics follow, rendered by prometheus_client's encoder of
 the format from their registry (reused until a count changes, and at most a
-second: the process metrics read /proc). For gzip the compressor's state after
-each cached part is kept and copied, so each scrape compresses only the small
-tail yet sends one valid gzip stream.
+second: the process metrics read /proc). For gzip each cached part ends on a byte
+boundary and keeps the CRC-32 of what it holds, and the tail is a deflate part of its
+own, so each scrape compresses only the small tail yet sends one valid gzip stream.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import struct
 import threading
 import time
 import zlib
@@ -75,6 +77,8 @@ OPENMETRICS = Format(
 _FORMATS = {"application/openmetrics-text": OPENMETRICS, "text/plain": TEXT, "text/*": TEXT, "*/*": TEXT}
 # Fast compression: it runs once per state change, and label-heavy text compresses well at any level.
 GZIP_LEVEL = 1
+# A gzip member's header (RFC 1952): deflate, no flags, no time, no extra flags, operating system unknown.
+GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
 # The exporter's own metrics are rendered again at least this often (process CPU, memory).
 SELF_METRICS_SECONDS = 1.0
 
@@ -415,13 +419,14 @@ def _chunks(families: Iterable[tuple[bytes, Iterable[bytes]]]) -> Iterator[bytes
 
 
 class _Compressed:
-    """A gzip stream of the config families, and the compressor's state after them."""
+    """The start of every gzip stream while ``generation`` stays: the gzip header and the config families
+    raw-deflated up to a byte boundary (a sync flush), with their CRC-32 and length for the trailer."""
 
     def __init__(self, lines: FleetLines) -> None:
         self.generation = lines.generation
-        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-        self.prefix = b"".join([compressor.compress(chunk) for chunk in lines.config_chunks()])
-        self.compressor = compressor
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+        compressed, self.crc, self.size = _deflated(compressor, lines.config_chunks())
+        self.prefix = GZIP_HEADER + compressed
 
 
 class _Rendered:
@@ -430,7 +435,7 @@ class _Rendered:
     def __init__(self, lines: FleetLines) -> None:
         self.lines = lines
         self._joined: bytes | None = None
-        self._gzip: tuple[bytes, bytes, zlib._Compress] | None = None
+        self._gzip: _Gzip | None = None
         self._lock = threading.Lock()
 
     def text(self) -> Iterable[bytes]:
@@ -447,16 +452,45 @@ class _Rendered:
     def has_gzip(self) -> bool:
         return self._gzip is not None
 
-    def gzip(self, config: Callable[[FleetLines], _Compressed]) -> tuple[bytes, bytes, zlib._Compress]:
-        """The compressed config part (shared across versions), this version's compressed liveness part, and
-        the compressor after both."""
+    def gzip(self, config: Callable[[FleetLines], _Compressed]) -> _Gzip:
+        """The gzip stream up to the exporter's metrics: the config part (shared across versions) and this
+        version's liveness part, stored (deflate's blocks without compression)."""
         with self._lock:
             if self._gzip is None:
                 compressed = config(self.lines)
-                compressor = compressed.compressor.copy()
-                liveness = b"".join([compressor.compress(chunk) for chunk in self.lines.liveness_chunks()])
-                self._gzip = (compressed.prefix, liveness, compressor)
+                stored = zlib.compressobj(0, zlib.DEFLATED, -zlib.MAX_WBITS)
+                liveness, crc, size = _deflated(stored, self.lines.liveness_chunks(), compressed.crc)
+                self._gzip = _Gzip(compressed.prefix, liveness, crc, compressed.size + size)
             return self._gzip
+
+
+class _Gzip(NamedTuple):
+    """A gzip stream without its end: the compressed parts, and the CRC-32 and length of what they hold."""
+
+    prefix: bytes
+    liveness: bytes
+    crc: int
+    size: int
+
+    def finished(self, tail: bytes) -> tuple[bytes, ...]:
+        """The whole stream, ``tail`` compressed last (a new deflate part: it refers to nothing before it)."""
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+        end = compressor.compress(tail) + compressor.flush()
+        trailer = struct.pack("<II", zlib.crc32(tail, self.crc), (self.size + len(tail)) & 0xFFFFFFFF)
+        return (self.prefix, self.liveness, end + trailer)
+
+
+def _deflated(compressor: zlib._Compress, chunks: Iterable[bytes], crc: int = 0) -> tuple[bytes, int, int]:
+    """``chunks`` raw-deflated by ``compressor`` up to a byte boundary, so that another deflate part may follow;
+    the CRC-32 of the chunks continued from ``crc``, and their length."""
+    compressed = []
+    size = 0
+    for chunk in chunks:
+        compressed.append(compressor.compress(chunk))
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+    compressed.append(compressor.flush(zlib.Z_SYNC_FLUSH))
+    return b"".join(compressed), crc, size
 
 
 class Exposition:
@@ -501,7 +535,5 @@ class Exposition:
         tail = self._own_metrics(served) + served.end
         if not gzip:
             return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
-        prefix, liveness, compressor = rendered.gzip(self._config_gzip)
-        finish = compressor.copy()
-        body = (prefix, liveness, finish.compress(tail) + finish.flush())
+        body = rendered.gzip(self._config_gzip).finished(tail)
         return body, sum(map(len, body)), served.content_type
