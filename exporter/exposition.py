@@ -211,8 +211,11 @@ class ReplicaLines:
         self.generation = 0
         self._generation_lock = threading.Lock()
         self._rendered: dict[ReplicaKey, tuple[Replica, ReplicaPart]] = {}
-        # The lines of the last map a scrape or the writer put in order.
+        # The lines of the last map a scrape or the writer put in order. Their lists are patched in place by the
+        # writer until a scrape is lent them (``_lent``); then the next patch copies them first (copy on write).
         self._ordered: _Ordered | None = None
+        self._lent = True
+        self._ordered_lock = threading.Lock()
 
     def of(self, replica: Replica) -> tuple[bytes, ...]:
         """One replica's lines, a bytes string per family."""
@@ -260,18 +263,25 @@ class ReplicaLines:
                 if replica.key in self._rendered:
                     self._part(replica)
             return
-        parts, liveness, length = list(ordered.parts), list(map(list, ordered.liveness)), ordered.length
-        same_config = ordered.generation >= 0
-        for replica in changed:
-            index = ordered.position[replica.key]
-            part, previous = self._part(replica)[0], parts[index]
-            same_config = same_config and part.info is previous.info and part.config is previous.config
-            parts[index] = part
-            length += part.size - previous.size
-            for lines, replica_lines in zip(liveness, part.liveness, strict=True):
-                lines[index] = replica_lines
-        generation = ordered.generation if same_config else self._next_generation()
-        self._ordered = _Ordered(after, ordered.order, ordered.position, parts, liveness, length, generation)
+        moved = [(ordered.position[replica.key], self._part(replica)[0]) for replica in changed]
+        with self._ordered_lock:
+            if self._ordered is not ordered:  # a scrape put another map in order meanwhile: it renders what it needs
+                return
+            if self._lent:
+                parts, liveness = list(ordered.parts), [list(lines) for lines in ordered.liveness]
+            else:
+                parts, liveness = ordered.parts, ordered.liveness
+            length, same_config = ordered.length, ordered.generation >= 0
+            for index, part in moved:
+                previous = parts[index]
+                same_config = same_config and part.info is previous.info and part.config is previous.config
+                parts[index] = part
+                length += part.size - previous.size
+                for lines, replica_lines in zip(liveness, part.liveness, strict=True):
+                    lines[index] = replica_lines
+            generation = ordered.generation if same_config else self._next_generation()
+            self._ordered = _Ordered(after, ordered.order, ordered.position, parts, liveness, length, generation)
+            self._lent = False
 
     def _next_generation(self) -> int:
         with self._generation_lock:  # from the writer and the scrape's threads: no increment is lost
@@ -307,9 +317,11 @@ class ReplicaLines:
         (heartbeats only replace replicas), the sorted keys of the last call are kept and no replica can have
         gone: the call then costs a look per replica and renders only what the writer did not render ahead.
         """
-        ordered = self._ordered
-        if ordered is not None and ordered.replicas is replicas:
-            return FleetLines(self.headers, ordered)
+        with self._ordered_lock:
+            ordered = self._ordered
+            if ordered is not None and ordered.replicas is replicas:
+                self._lent = True
+                return FleetLines(self.headers, ordered)
         before = self.generation
         own = 0  # the generation's moves made here
         if ordered is None or ordered.replicas.key_set is not replicas.key_set:
@@ -341,8 +353,10 @@ class ReplicaLines:
         generation = after if after == before + own else -1
         liveness = list(map(list, _by_family(list(map(_LIVENESS, parts)), len(LIVENESS))))
         length = sum(map(_SIZE, parts))
-        self._ordered = _Ordered(replicas, order, position, parts, liveness, length, generation)
-        return FleetLines(self.headers, self._ordered)
+        ordered = _Ordered(replicas, order, position, parts, liveness, length, generation)
+        with self._ordered_lock:
+            self._ordered, self._lent = ordered, True
+        return FleetLines(self.headers, ordered)
 
 
 _REPLICA = operator.itemgetter(0)

@@ -411,6 +411,24 @@ def test_the_writer_carries_the_last_scrapes_lines_forward_and_the_next_scrape_s
     assert bodies[3][1] == restarted
 
 
+def test_the_lines_a_scrape_holds_stay_as_sent_while_the_writer_carries_later_commits_forward() -> None:
+    """Between scrapes the writer patches the carried lines in place (a commit costs what it changed, not a copy of
+    the fleet's lines), but never lines a scrape was given: a scrape's body is of the map it asked for."""
+    lines = ReplicaLines()
+    fleet = ReplicaMap.of([_replica("a", 1), _replica("b", 2), _replica("c", 1)])
+    held = [(lines.fleet(fleet), fleet)]  # put in order by the scrape itself
+    for scrape in range(2):
+        for step, name in enumerate("abca"):  # several commits between two scrapes
+            replica = fleet[("qwen", name)]
+            changed = msgspec.structs.replace(replica, last_seen=200.0 + 10 * scrape + step)
+            after = fleet.with_changes({replica.key: changed})
+            lines.render_ahead(fleet, after, [changed])
+            fleet = after
+        held.append((lines.fleet(fleet), fleet))  # carried by the writer
+    for sent, of_map in held:
+        assert _sent(sent) == _sent(ReplicaLines().fleet(ReplicaMap.of(of_map.values())))
+
+
 def test_lines_are_carried_forward_only_from_the_map_before_and_only_while_the_keys_stay() -> None:
     lines = ReplicaLines()
     a, b, c = _replica("a", 1), _replica("b", 1), _replica("c", 1)
