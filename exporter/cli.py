@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from exporter.auth import Credentials
+    from exporter.gc_freeze import freeze_survivors
     from exporter.https_listener import ReloadingTls, watched_tls
     from exporter.probe_http import MetricsClient
     from exporter.quick_heartbeats import HeartbeatAnsweringProtocol
@@ -152,21 +153,25 @@ def serve(args: argparse.Namespace) -> int:
         header_timeout=settings.header_timeout_seconds,
         heartbeats=app.state.quick_heartbeats if settings.workers == 1 else None,
     )
-    uvicorn.run(
-        app,
-        http=protocol,  # type: ignore[arg-type]  # a factory of protocols, which uvicorn calls per connection
-        factory=settings.workers > 1,
-        workers=settings.workers,
-        host=host,
-        port=port,
-        log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
-        server_header=False,
-        limit_concurrency=max_connections,
-        timeout_keep_alive=settings.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # float works
-        timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
-        ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,
-    )
+    thaw = freeze_survivors()  # so does each worker process of --web.workers N, as it builds its app
+    try:
+        uvicorn.run(
+            app,
+            http=protocol,  # type: ignore[arg-type]  # a factory of protocols, which uvicorn calls per connection
+            factory=settings.workers > 1,
+            workers=settings.workers,
+            host=host,
+            port=port,
+            log_level=settings.log_level,
+            access_log=settings.log_level == "debug",
+            server_header=False,
+            limit_concurrency=max_connections,
+            timeout_keep_alive=settings.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # float works
+            timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
+            ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,
+        )
+    finally:
+        thaw()
     return 0
 
 

@@ -27,6 +27,7 @@ from exporter import __version__
 from exporter.auth import Credentials
 from exporter.errors import Refused, StorageUnavailable
 from exporter.exposition import Exposition, ReplicaLines
+from exporter.gc_freeze import freeze_survivors
 from exporter.listing import DeploymentListing
 from exporter.openapi import Endpoint, openapi_document
 from exporter.probe import Prober
@@ -157,4 +158,5 @@ def create_app(
 
 def create_app_from_environment() -> FastAPI:
     """The app of one worker process of ``serve --web.workers N``: settings come from the parent."""
+    freeze_survivors()
     return create_app(Settings.from_environment())
