@@ -1,4 +1,5 @@
-"""``python -m bench --fleet``: a fleet of vLLM servers against the exporter, and the same fleet against Pushgateway.
+"""``python -m bench --fleet``: a fleet of vLLM servers against the exporter, the same fleet against Pushgateway, and
+its heartbeats against the floor.
 
 N replicas (vLLM servers) of DP=8 in deployments of 40 replicas. Each server does what the plugin does: at its
 start a PUT of its labels and one POST of its eight engines' ready responses (one msgpack array), then a heartbeat
@@ -8,11 +9,16 @@ replica's group, as prometheus_client's ``push_to_gateway`` does, on a connectio
 per-replica rates, compressed only in how long the run lasts:
 
 1. fill: every replica starts (8 requests at a time), timed; Pushgateway gets at most ``FILL_BUDGET`` seconds;
-2. idle (20 s): scrapes every second, nothing else: the baseline of scrape latency and CPU;
-3. heartbeats (``--phase-seconds``, default 120): N/30 heartbeats (pushes) a second, scrapes every 15 s as
+2. quiet (15 s): nothing sent, nothing scraped: the baseline of CPU;
+3. idle (20 s): scrapes every second, nothing else: the baseline of scrape latency;
+4. heartbeats (``--phase-seconds``, default 120): N/30 heartbeats (pushes) a second, scrapes every 15 s as
    Prometheus makes them (each one after 15 s of heartbeats: what a heartbeat costs a scrape is in it);
-4. fleet (the same length): heartbeats, a rolling restart of 10 % of the servers spread over the middle half
+5. fleet (the same length): heartbeats, a rolling restart of 10 % of the servers spread over the middle half
    (each a new run: labels and eight engines again; a push for Pushgateway), scrapes every 15 s.
+
+The floor (``bench/floor_server.py``, a bare asyncio server that only answers) gets the plugin's fill, quiet and
+heartbeat phases on the same kept connections: what N/30 requests a second cost on this machine's loopback with N
+connections held, the heartbeats' CPU with nothing behind them.
 
 Each server runs alone, started afresh for each N, so that CPU and memory are its own; every second the CPU share
 of one core and the RSS of its process are sampled. The results go to JSON, a markdown table and a PNG.
@@ -46,11 +52,12 @@ from bench.load import (
     info_series,
     labels,
 )
-from bench.procs import HOST, Server, peak_rss_mb, rss_mb
+from bench.procs import FLOOR_SERVER, HOST, Server, peak_rss_mb, rss_mb
 
 HEARTBEAT_SECONDS = 30.0
 PROMETHEUS_SCRAPE_SECONDS = 15.0
 PROBE_SCRAPE_SECONDS = 1.0
+QUIET_SECONDS = 15.0
 IDLE_SECONDS = 20.0
 RESTART_SHARE = 0.1
 REPLICAS_PER_DEPLOYMENT = 40
@@ -58,8 +65,11 @@ IN_FLIGHT = 64
 FILL_IN_FLIGHT = 8
 FILL_BUDGET = 120.0
 # The exporter expires a replica after 3 missed heartbeats (90 s). The heartbeats go in the order of the fill: the
-# first replica's first one comes after the fill and the idle phase. 10 s spare for the scrapes between them.
-FILL_BEFORE_EXPIRY = 3 * HEARTBEAT_SECONDS - IDLE_SECONDS - 10.0
+# first replica's first one comes after the fill and the quiet and idle phases. 10 s spare for the scrapes between.
+FILL_BEFORE_EXPIRY = 3 * HEARTBEAT_SECONDS - QUIET_SECONDS - IDLE_SECONDS - 10.0
+# The phases each kind of server runs, in order: the floor only those that measure the heartbeats' CPU.
+PHASES = ("quiet", "idle", "heartbeats", "fleet")
+FLOOR_PHASES = ("quiet", "heartbeats")
 WINDOW_SECONDS = 5.0
 # The fleet's state is over the default byte budget (128 MiB) from about 50,000 engines on.
 # Every server keeps a connection: as many as the open-file limit lets the exporter serve (it warns of fewer).
@@ -120,23 +130,23 @@ def push(deployment: str, replica: str, template: dict[str, str], blocks: int) -
 
 
 class Work:
-    """One server's side of the fleet: what a start, a heartbeat and a restart send."""
+    """One server's side of the fleet: what a start, a heartbeat and a restart send; the plugin's requests, but for
+    ``pushgateway``, whose users push ``template``'s labels."""
 
     def __init__(self, kind: str, template: dict[str, str]) -> None:
         self.kind = kind
         self.template = template
 
     def start(self, at: float, kind: str, deployment: str, replica: str, run: str, blocks: int) -> aio.Event:
-        if self.kind == "exporter":
-            requests = exporter_start(deployment, replica, run, blocks)
-            return aio.Event(at, kind, requests, client=f"{deployment}/{replica}")
-        return aio.Event(at, kind, (push(deployment, replica, self.template, blocks),))
+        if self.kind == "pushgateway":
+            return aio.Event(at, kind, (push(deployment, replica, self.template, blocks),))
+        requests = exporter_start(deployment, replica, run, blocks)
+        return aio.Event(at, kind, requests, client=f"{deployment}/{replica}")
 
     def heartbeat(self, at: float, deployment: str, replica: str) -> aio.Event:
-        if self.kind == "exporter":
-            return aio.Event(at, "heartbeat", (exporter_heartbeat(deployment, replica),),
-                             client=f"{deployment}/{replica}")  # fmt: skip
-        return aio.Event(at, "heartbeat", (push(deployment, replica, self.template, 1000),))
+        if self.kind == "pushgateway":
+            return aio.Event(at, "heartbeat", (push(deployment, replica, self.template, 1000),))
+        return aio.Event(at, "heartbeat", (exporter_heartbeat(deployment, replica),), client=f"{deployment}/{replica}")
 
 
 def heartbeats(names: Sequence[tuple[str, str]], work: Work, seconds: float) -> list[aio.Event]:
@@ -164,18 +174,21 @@ async def _phase(
     connections: aio.Connections,
     events: Sequence[aio.Event],
     seconds: float,
-    scrape_every: float,
+    scrape_every: float | None,
     in_flight: int,
 ) -> dict[str, Any]:
-    """Run ``events`` with scrapes and samples for ``seconds``; what came of it."""
+    """Run ``events`` with scrapes (none if ``scrape_every`` is ``None``) and samples for ``seconds``; what came of
+    it."""
     start = time.monotonic()
     deadline = start + seconds
     tally = aio.Tally()
-    _, scrapes, samples = await asyncio.gather(
+    scraping = [] if scrape_every is None else [aio.scrape(server.port, SCRAPE, scrape_every, start, deadline)]
+    _, samples, *scraped = await asyncio.gather(
         aio.drive(connections, events, in_flight, start, deadline, tally),
-        aio.scrape(server.port, SCRAPE, scrape_every, start, deadline),
         aio.sample(server.pid, start, deadline),
+        *scraping,
     )
+    scrapes = scraped[0] if scraped else []
     due: dict[str, int] = {}
     for event in events:
         if event.at < seconds:
@@ -235,16 +248,18 @@ async def _timeline(
         if work.kind == "exporter" and result["fill"]["seconds"] > FILL_BEFORE_EXPIRY:
             print(f"bench --fleet: the fill took {result['fill']['seconds']:.0f} s: the first replicas may expire "
                   "before their first heartbeat", file=sys.stderr, flush=True)  # fmt: skip
-        # As Prometheus would have meanwhile: idle starts from a rendered exposition.
+        # As Prometheus would have meanwhile: the phases start from a rendered exposition.
         await asyncio.to_thread(_scrape_once, server, "gzip")
         phases = {
+            "quiet": ([], QUIET_SECONDS, None),
             "idle": ([], IDLE_SECONDS, PROBE_SCRAPE_SECONDS),
             "heartbeats": (heartbeats(names, work, phase_seconds), phase_seconds, PROMETHEUS_SCRAPE_SECONDS),
             "fleet": (heartbeats(names, work, phase_seconds) + restarts(names, work, phase_seconds), phase_seconds,
                       PROMETHEUS_SCRAPE_SECONDS),
         }  # fmt: skip
         result["phases"] = {}
-        for name, (events, seconds, scrape_every) in phases.items():
+        for name in FLOOR_PHASES if work.kind == "floor" else PHASES:
+            events, seconds, scrape_every = phases[name]
             print(f"bench --fleet: {work.kind}, {len(names)} replicas: {name} {seconds:g} s", file=sys.stderr,
                   flush=True)  # fmt: skip
             result["phases"][name] = await _phase(server, connections, events, seconds, scrape_every, IN_FLIGHT)
@@ -260,6 +275,15 @@ def _exporter(workdir: Path) -> Iterator[Server]:
     command = [sys.executable, "-m", "exporter", "serve", "--storage.path", str(database), *EXPORTER_FLAGS]
     with Server("exporter", lambda port: [*command, "--web.listen-address", f"{HOST}:{port}"], "/-/healthy",
                 workdir) as server:  # fmt: skip
+        yield server
+
+
+@contextlib.contextmanager
+def _floor(workdir: Path) -> Iterator[Server]:
+    body = workdir / "floor-scrape.txt"
+    body.write_bytes(b"")
+    command = [sys.executable, str(FLOOR_SERVER), "--host", HOST, "--body", str(body), "--port"]
+    with Server("floor", lambda port: [*command, str(port)], "/", workdir) as server:
         yield server
 
 
@@ -288,7 +312,8 @@ def _template(server: Server) -> dict[str, str]:
 def measure(replicas: Sequence[int], phase_seconds: float, fill_budget: float, pushgateway: str) -> dict[str, Any]:
     """Both servers at each N, one after the other, each started afresh."""
     results: dict[str, Any] = {
-        "settings": {"replicas": list(replicas), "phase_seconds": phase_seconds, "idle_seconds": IDLE_SECONDS,
+        "settings": {"replicas": list(replicas), "phase_seconds": phase_seconds, "quiet_seconds": QUIET_SECONDS,
+                     "idle_seconds": IDLE_SECONDS,
                      "heartbeat_seconds": HEARTBEAT_SECONDS, "fill_budget_seconds": fill_budget,
                      "in_flight": IN_FLIGHT, "data_parallel": DATA_PARALLEL},
         "runs": {},
@@ -305,6 +330,8 @@ def measure(replicas: Sequence[int], phase_seconds: float, fill_budget: float, p
             with _pushgateway(workdir, pushgateway) as gateway:
                 runs["pushgateway"] = run_server(gateway, names, Work("pushgateway", template), phase_seconds,
                                                  fill_budget)  # fmt: skip
+            with _floor(workdir) as floor:
+                runs["floor"] = run_server(floor, names, Work("floor", {}), phase_seconds, float("inf"))
             results["runs"][str(n)] = runs
     results["run_seconds"] = time.monotonic() - begun
     return results

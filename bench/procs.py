@@ -14,6 +14,8 @@ from pathlib import Path
 from types import TracebackType
 
 HOST = "127.0.0.1"
+# The floor: a bare asyncio HTTP/1.1 server that only answers (see the module).
+FLOOR_SERVER = Path(__file__).with_name("floor_server.py")
 
 
 def free_port() -> int:

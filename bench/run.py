@@ -44,12 +44,11 @@ from bench.load import (
     timed_requests,
     visible_latency,
 )
-from bench.procs import HOST, CpuMeter, Server, peak_rss_mb, process_cpu_seconds, rss_mb
+from bench.procs import FLOOR_SERVER, HOST, CpuMeter, Server, peak_rss_mb, process_cpu_seconds, rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "latest.json"
 FLEET_OUTPUT = ROOT / "bench" / "results" / "fleet.json"
-FLOOR_SERVER = Path(__file__).with_name("floor_server.py")
 PUSHGATEWAY = "prometheus-pushgateway"
 # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data: an empty value turns it off.
 PUSHGATEWAY_FLAGS = ["--persistence.file="]
