@@ -3,16 +3,17 @@
 10,000 vLLM servers send a heartbeat every 30 s each: 333 a second, each changing only "last seen" in
 memory. Through uvicorn's ASGI task, the middleware and the router, each costs more than the change itself.
 Here a heartbeat that the app would answer 204 is answered from the protocol callback that completes it:
-the router's own match picks the route, the route's own checks and change run as they are (its ``hear``,
-``hear_heartbeat`` of ``exporter/routes.py``) behind the same Host check, and the 204 goes out through
-uvicorn's own ``send`` with the web config's headers, as the app's would. Anything else (a refusal, a body,
-a pipelined request, a paused transport, several workers sharing a store) is left to the app, which answers
-it exactly as it answers any request: the checks change nothing when they refuse, so the app's run of them
-refuses it again.
+the router's own match picks the route (kept per path), the route's own checks and change run as they are
+(its ``hear``, ``hear_heartbeat`` of ``exporter/routes.py``) behind the same Host check, and the 204 goes out
+through uvicorn's own ``send`` with the web config's headers, as the app's would. Anything else (a refusal, a
+body, a pipelined request, a paused transport, several workers sharing a store) is left to the app, which
+answers it exactly as it answers any request: the checks change nothing when they refuse, so the app's run of
+them refuses it again.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -28,6 +29,10 @@ from exporter.request_guard import ConnectionState, GuardedHttpToolsProtocol, ho
 Headers = tuple[tuple[bytes, bytes], ...]
 # A heartbeat's checks and change, as its route runs them: ``None`` when heard at once.
 Hear = Callable[[Request], "Future[object] | None"]
+# The router's match of paths lately heard, each up to a heartbeat path's length with the longest deployment name:
+# a fleet's heartbeats go to the paths of its deployments, a few hundred, each matched once rather than each time.
+PATHS_KEPT = 4096
+LONGEST_PATH = 256
 
 
 class QuickHeartbeats:
@@ -52,6 +57,7 @@ class QuickHeartbeats:
         self.allowed_hosts = allowed_hosts
         self.response_headers = response_headers
         self.answered = 0
+        self._kept_match = functools.lru_cache(maxsize=PATHS_KEPT)(self._heartbeat_path_params)
 
     @staticmethod
     def may_answer(scope: Scope) -> bool:
@@ -65,22 +71,30 @@ class QuickHeartbeats:
         """Hear the heartbeat and return the 204's headers, or ``None`` (nothing heard) to leave it to the app."""
         if not host_allowed(self.allowed_hosts, dict(scope["headers"])):
             return None
-        for route in self.app.router.routes:  # the router's order: its first full match is the route
-            match, child_scope = route.matches(scope)
-            if match is Match.FULL:
-                break
-        else:
-            return None
-        if getattr(route, "endpoint", None) is not self.endpoint:
+        path, root_path = scope["path"], scope.get("root_path", "")
+        match = self._kept_match if len(path) <= LONGEST_PATH else self._heartbeat_path_params
+        path_params = match(scope["method"], root_path, path)
+        if path_params is None:
             return None
         try:
-            committed = self.hear(Request({**scope, **child_scope, "app": self.app}))
+            request = Request({**scope, "endpoint": self.endpoint, "path_params": dict(path_params), "app": self.app})
+            committed = self.hear(request)
         except Exception:  # a refusal (or a fault): the app's run of the same checks answers it
             return None
         if committed is not None:  # a shared store: never built so, see the class
             raise RuntimeError("a quick heartbeat was committed to a shared store")
         self.answered += 1
         return self.response_headers()
+
+    def _heartbeat_path_params(self, method: str, root_path: str, path: str) -> dict[str, Any] | None:
+        """The path's parameters if the router's first full match (in its order) is the heartbeat route; else
+        ``None``. What a route matches is a function of these three alone."""
+        scope = {"type": "http", "method": method, "root_path": root_path, "path": path}
+        for route in self.app.router.routes:
+            match, child_scope = route.matches(scope)
+            if match is Match.FULL:
+                return child_scope["path_params"] if getattr(route, "endpoint", None) is self.endpoint else None
+        return None
 
 
 class _HeartbeatConnectionState(ConnectionState):

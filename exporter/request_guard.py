@@ -46,12 +46,14 @@ class ConnectionState:
     dict of its own, 1.2 KiB more for each idle connection a fleet keeps.
     """
 
-    __slots__ = ("header_room", "header_timer")
+    __slots__ = ("head_begun", "header_room", "header_timer")
 
     def __init__(self, header_room: int) -> None:
         # Bytes the current request's line and headers may still take; None once they are in.
         self.header_room: int | None = header_room
         self.header_timer: asyncio.TimerHandle | None = None
+        # A request's first bytes are in and its headers are not yet complete.
+        self.head_begun = False
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -116,6 +118,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        """Parse ``data`` within the header room; a head still incomplete after it is timed from now on.
+
+        Timed here rather than as the head begins: a request whose head comes in one read (a heartbeat, most
+        requests) then arms and cancels no timer."""
+        self._receive(data)
+        connection = self._connection
+        if connection.head_begun and connection.header_timer is None and not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _receive(self, data: bytes) -> None:
         connection = self._connection
         room = connection.header_room
         if room is None or len(data) <= room:
@@ -131,16 +143,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             detail = f"the request line and headers are limited to {self.max_header_bytes} bytes"
             self._refuse(HeadersTooLarge("headers", detail))
             return
-        self.data_received(data[room:])
+        self._receive(data[room:])
 
     # Parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._connection.header_timer is None:
-            self._arm_header_timer()
+        self._connection.head_begun = True
 
     def on_headers_complete(self) -> None:
-        self._connection.header_room = None
+        connection = self._connection
+        connection.header_room = None
+        connection.head_begun = False
         self._disarm_header_timer()
         super().on_headers_complete()
 

@@ -169,6 +169,8 @@ def test_the_quick_answer_is_the_apps_answer(serve: Callable[..., Server], tmp_p
         pytest.param(b"GET /api/v1/deployments/qwen/heartbeat?interval=30 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 404,
                      id="GET: the deployment named qwen/heartbeat"),
         pytest.param(heartbeat(headers="Content-Length: 2\r\n") + b"{}", 204, id="a body"),
+        pytest.param(heartbeat().replace(b"/qwen/", b"/" + b"q" * 240 + b"/"), 422,
+                     id="a deployment name too long: a path past those whose match is kept"),
     ],
 )  # fmt: skip
 def test_what_the_protocol_does_not_answer_the_app_answers(

@@ -1,8 +1,8 @@
 """The request guard on a raw socket: what an HTTP client library would never send, on keep-alive connections.
 
-The header cap and timer must hold for every request of a connection, not only its first; the body's time limit
-is for the whole body, however it is trickled; a Host name with the trailing dot of a fully qualified name is the
-same name.
+The header cap and timer must hold for every request of a connection, not only its first; the header timer and the
+body's time limit are for the whole head and body, however they are trickled; a Host name with the trailing dot of
+a fully qualified name is the same name.
 """
 
 from __future__ import annotations
@@ -77,15 +77,13 @@ def test_the_header_cap_holds_for_a_kept_alive_connections_second_request(export
     assert problem(answer, 431)["field"] == "headers"
 
 
-def test_a_body_trickled_within_each_wait_still_ends_at_the_read_timeout(exporter: ExporterProcess) -> None:
-    """A byte every 0.2 s keeps each wait short, but the whole body must arrive within --web.read-timeout."""
-    body = ready_response(0, 1, 1)
-    head = (f"POST /api/v1/deployments/trickled/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Content-Type: {MSGPACK['Content-Type']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+def trickled(connection: socket.socket, data: bytes) -> tuple[bytes, float]:
+    """Send ``data`` a byte every 0.2 s (each wait short) until the exporter answers; its answer, and the seconds
+    from the first byte to the connection's close."""
     answered = threading.Event()
 
-    def trickle(connection: socket.socket) -> None:
-        for byte in body:
+    def trickle() -> None:
+        for byte in data[1:]:
             if answered.wait(0.2):  # the attack's pace, not a synchronisation: stop once answered
                 return
             try:
@@ -93,17 +91,35 @@ def test_a_body_trickled_within_each_wait_still_ends_at_the_read_timeout(exporte
             except OSError:
                 return
 
+    connection.sendall(data[:1])
+    started = time.monotonic()
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        answer = read_until_closed(connection)
+    finally:
+        answered.set()
+        sender.join(timeout=10)
+    return answer, time.monotonic() - started
+
+
+def test_a_head_trickled_within_each_wait_still_ends_at_the_header_timeout(exporter: ExporterProcess) -> None:
+    """The header timer runs from a head's first byte, on a kept-alive connection too: however its bytes come."""
+    with raw_socket(exporter.url, timeout=10) as connection:
+        first_answered(connection)
+        answer, waited = trickled(connection, b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Trickled: " + b"a" * 64)
+    assert problem(answer, 408)["field"] == "headers"
+    assert HEADER_TIMEOUT * 0.9 <= waited < HEADER_TIMEOUT + 2.0, waited
+
+
+def test_a_body_trickled_within_each_wait_still_ends_at_the_read_timeout(exporter: ExporterProcess) -> None:
+    """A byte every 0.2 s keeps each wait short, but the whole body must arrive within --web.read-timeout."""
+    body = ready_response(0, 1, 1)
+    head = (f"POST /api/v1/deployments/trickled/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: {MSGPACK['Content-Type']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
     with raw_socket(exporter.url, timeout=10) as connection:
         connection.sendall(head)
-        started = time.monotonic()
-        sender = threading.Thread(target=trickle, args=(connection,))
-        sender.start()
-        try:
-            answer = read_until_closed(connection)
-        finally:
-            answered.set()
-            sender.join(timeout=10)
-        waited = time.monotonic() - started
+        answer, waited = trickled(connection, body)
     assert problem(answer, 408)["field"] == "body"
     assert waited < READ_TIMEOUT + 2.0, waited
     assert request(exporter.url, "GET", "/api/v1/deployments/trickled").status == 404
