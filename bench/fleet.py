@@ -316,7 +316,7 @@ def _template(server: Server) -> dict[str, str]:
 
 
 def measure(replicas: Sequence[int], phase_seconds: float, fill_budget: float, pushgateway: str) -> dict[str, Any]:
-    """Both servers at each N, one after the other, each started afresh."""
+    """The exporter, Pushgateway and the floor at each N, one after the other, each started afresh."""
     results: dict[str, Any] = {
         "settings": {"replicas": list(replicas), "phase_seconds": phase_seconds, "quiet_seconds": QUIET_SECONDS,
                      "idle_seconds": IDLE_SECONDS,
