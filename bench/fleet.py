@@ -67,8 +67,7 @@ FILL_BUDGET = 120.0
 # The exporter expires a replica after 3 missed heartbeats (90 s). The heartbeats go in the order of the fill: the
 # first replica's first one comes after the fill and the quiet and idle phases. 10 s spare for the scrapes between.
 FILL_BEFORE_EXPIRY = 3 * HEARTBEAT_SECONDS - QUIET_SECONDS - IDLE_SECONDS - 10.0
-# The phases each kind of server runs, in order: the floor only those that measure the heartbeats' CPU.
-PHASES = ("quiet", "idle", "heartbeats", "fleet")
+# The floor runs only the phases (of ``fleet_report.PHASES``, in their order) that measure the heartbeats' CPU.
 FLOOR_PHASES = ("quiet", "heartbeats")
 WINDOW_SECONDS = 5.0
 # The fleet's state is over the default byte budget (128 MiB) from about 50,000 engines on.
@@ -264,7 +263,7 @@ async def _timeline(
                       PROMETHEUS_SCRAPE_SECONDS),
         }  # fmt: skip
         result["phases"] = {}
-        for name in FLOOR_PHASES if work.kind == "floor" else PHASES:
+        for name in FLOOR_PHASES if work.kind == "floor" else fleet_report.PHASES:
             events, seconds, scrape_every = phases[name]
             print(f"bench --fleet: {work.kind}, {len(names)} replicas: {name} {seconds:g} s", file=sys.stderr,
                   flush=True)  # fmt: skip
