@@ -1,0 +1,74 @@
+"""The exporter's image carries the vLLM plugin alone in /opt/vllm-plugins, for stock vLLM images: copied out by a
+Kubernetes init container (deploy/kubernetes/examples/vllm.yaml), or layered on with the README's Dockerfile.
+
+Built offline as the README's "Building offline" does, on the base image of docker/make-base-image.sh (skipped
+where it was never made: tests/test_docker_image.py makes it); the README's layer recipe is built on that base in
+place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support import IN_CI
+from tests.docs.test_readme_commands import README, clone, docker  # noqa: F401  (docker: a fixture)
+
+BASE_IMAGE = "cache-config-exporter-base:bookworm"
+LIST_PLUGINS = (
+    "from importlib.metadata import entry_points; "
+    "print(sorted(e.value for e in entry_points(group='vllm.general_plugins')))"
+)
+
+
+def run(command: list[str], cwd: Path | None = None, timeout: float = 600) -> str:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path: Path) -> None:  # noqa: F811
+    if subprocess.run([docker, "image", "inspect", BASE_IMAGE], capture_output=True, check=False).returncode:
+        message = f"{BASE_IMAGE} was never made (docker/make-base-image.sh; tests/test_docker_image.py makes it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    work = clone(tmp_path / "clone")
+    image = f"cce-plugin-test-{uuid.uuid4().hex[:12]}"
+    layered = f"{image}-vllm"
+    try:
+        run(["docker/build-wheelhouse.sh"], cwd=work)
+        run([docker, "build", "--network", "none", "-f", "docker/Dockerfile", "-t", image,
+             "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+             "--build-arg", "PIP_OPTIONS=--no-index --find-links /src/wheelhouse", "."], cwd=work)  # fmt: skip
+        # The folder holds the plugin's packages and metadata, nothing else (no dependencies, no scripts).
+        listed = run([docker, "run", "--rm", "--entrypoint", "ls", image, "/opt/vllm-plugins"]).split()
+        assert sorted(listed) == ["cache_config_exporter-0.1.0.dist-info", "exporter", "protocol"]
+
+        # The init container of the Kubernetes example: its command, as the image's user, read-only root.
+        example = yaml.safe_load((work / "deploy" / "kubernetes" / "examples" / "vllm.yaml").read_text())
+        (init,) = example["spec"]["template"]["spec"]["initContainers"]
+        shared = init["volumeMounts"][0]["mountPath"]
+        copied = run([docker, "run", "--rm", "--read-only", "--tmpfs", f"{shared}:uid=10987,gid=10987",
+                      "--entrypoint", "sh", image, "-c", f"{' '.join(init['command'])} && ls {shared}"])  # fmt: skip
+        assert sorted(copied.split()) == sorted(listed)
+
+        # The README's layer on a stock image: any python3 there finds the plugin by its entry point.
+        (recipe,) = re.findall(r"^```dockerfile\n(.*?)^```$", README, flags=re.DOTALL | re.MULTILINE)
+        stock = re.search(r"^FROM (\S+)$", recipe, re.M)
+        assert stock is not None and stock.group(1).startswith("vllm/vllm-openai:")
+        dockerfile = recipe.replace("cache-config-exporter:0.1.0", image).replace(stock.group(1), BASE_IMAGE)
+        (tmp_path / "layer").mkdir()
+        (tmp_path / "layer" / "Dockerfile").write_text(dockerfile)
+        run([docker, "build", "--network", "none", "-t", layered, str(tmp_path / "layer")])
+        found = run([docker, "run", "--rm", layered, "python3", "-c", LIST_PLUGINS])
+        assert found.strip() == "['exporter.vllm_plugin:register']"
+    finally:
+        subprocess.run([docker, "rmi", "-f", layered, image], capture_output=True, check=False, env=os.environ)
