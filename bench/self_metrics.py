@@ -1,9 +1,9 @@
 """``python -m bench.self_metrics``: what the exporter's own metrics cost a scrape, rendered by prometheus_client.
 
 The exporter's counters, storage health, build info and process metrics are prometheus_client metrics in a
-registry (exporter/telemetry.py), rendered by the library's encoder of the negotiated format. This times
+registry (exporter/exposition/telemetry.py), rendered by the library's encoder of the negotiated format. This times
 that render, per format, against what a scrape pays when the last rendering is reused (no count changed
-within the second): the figures behind caching it in exporter/exposition.py.
+within the second): the figures behind caching it in exporter/exposition/rendering.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bench.load import percentile
-from exporter.exposition import OPENMETRICS, TEXT, Exposition, ReplicaLines
-from exporter.state import ExporterState
-from exporter.storage import SqliteStore
-from exporter.telemetry import Telemetry
+from exporter.exposition.formats import OPENMETRICS, TEXT
+from exporter.exposition.lines import ReplicaLines
+from exporter.exposition.rendering import Exposition
+from exporter.exposition.telemetry import Telemetry
+from exporter.state.exporter_state import ExporterState
+from exporter.state.storage import SqliteStore
 
 RENDERS = 2000
 

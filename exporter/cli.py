@@ -19,19 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from exporter import __version__, sender
-from exporter.settings import (
-    DEFAULT_PORT,
-    SETTINGS_ENVIRONMENT,
-    Option,
-    SettingsError,
-    add_options,
-    serve_options,
-    settings_from,
-    split_listen_address,
-)
-from exporter.storage import SqliteStore, StorageError
-from exporter.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter import __version__
+from exporter.config.addresses import split_listen_address
+from exporter.config.option import Option, SettingsError
+from exporter.config.options import DEFAULT_PORT
+from exporter.config.settings import SETTINGS_ENVIRONMENT, add_options, serve_options, settings_from
+from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.state.storage import SqliteStore, StorageError
+from exporter.vllm_plugin import sender
+from protocol import tokens
 
 PUSH_FORMATS = ("auto", *sender.CONTENT_TYPES)
 PUSH_OPTIONS = (
@@ -100,12 +96,12 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from exporter.auth import Credentials
-    from exporter.gc_freeze import freeze_survivors
-    from exporter.https_listener import ReloadingTls, watched_tls
-    from exporter.probe_http import MetricsClient
-    from exporter.quick_heartbeats import HeartbeatAnsweringProtocol
-    from exporter.service import create_app
+    from exporter.probe.client import MetricsClient
+    from exporter.security.auth import Credentials
+    from exporter.security.https_listener import ReloadingTls, watched_tls
+    from exporter.server.app import create_app
+    from exporter.server.gc_freeze import freeze_survivors
+    from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol
 
     # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
     # then raises the signal again; exit 0 then instead of dying of it.
@@ -122,10 +118,10 @@ def serve(args: argparse.Namespace) -> int:
             settings.base_labels()
             SqliteStore(settings.storage_path).close()
             os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
-            # The workers count into files here, and each one's scrape shows the sums (exporter/telemetry.py).
+            # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
             os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
             atexit.register(shutil.rmtree, counters, ignore_errors=True)
-            app = "exporter.service:create_app_from_environment"
+            app = "exporter.server.app:create_app_from_environment"
     except (SettingsError, StorageError) as error:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
         return 2
@@ -188,11 +184,11 @@ def push(args: argparse.Namespace) -> int:
     authorization = None
     if args.token_file:
         try:
-            token = sender.read_token(args.token_file)
+            token = tokens.read_token(args.token_file)
             if not token:
-                raise sender.TokenError("the file is empty")
-            authorization = sender.bearer(token)
-        except sender.TokenError as error:
+                raise tokens.TokenError("the file is empty")
+            authorization = tokens.bearer(token)
+        except tokens.TokenError as error:
             print(f"cache-config-exporter push: --token-file {args.token_file}: {error}", file=sys.stderr)
             return 2
     call = sender.ready_call(args.deployment, body, wire_format, args.replica, engine=args.engine)

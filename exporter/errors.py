@@ -1,7 +1,7 @@
 """What the exporter refuses, below the HTTP layer and at its door (the request guard's limits): each error
 names the field at fault.
 
-``exporter/problems.py`` holds the one table that turns these (and the
+``exporter/server/problems.py`` holds the one table that turns these (and the
 protocol's ``InvalidPayload``) into HTTP statuses.
 """
 

@@ -92,6 +92,35 @@ def _first(values: list[object]) -> object:
     return next((value for value in values if value is not None), None)
 
 
+def _figures(
+    response: EngineCoreReadyResponse, mode: str, configured: int | None, default_block: int | None
+) -> EngineFigures:
+    """One engine's figures: its own groups where it sent them (the truth), else vLLM's rule for ``mode``."""
+    own_block = response.reported("block_size")
+    groups = response.reported("kv_cache_groups")
+    if groups is not None:
+        # The engine's own groups: its Mamba groups' block size, and none without Mamba groups.
+        true_mamba = _first(groups.block_sizes("mamba"))
+        source = FROM_GROUPS
+    else:
+        true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
+        source = FROM_RULE
+    return EngineFigures(
+        block_size=own_block if own_block is not None else default_block,
+        mamba_block_size=true_mamba,
+        vllm_mamba_block_size=response.reported("mamba_block_size")
+        if response.sent("mamba_block_size")
+        else configured,
+        num_gpu_blocks=response.num_gpu_blocks,
+        max_model_len=response.max_model_len,
+        kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
+        kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
+        mamba_block_size_source=source if true_mamba is not None else None,
+        hash_block_size=groups.hash_block_size if groups is not None else None,
+        kv_cache_groups=groups,
+    )
+
+
 def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyResponse]) -> SyncedConfig:
     """The synced config given the frontend's static labels and each engine's current ready response.
 
@@ -135,31 +164,10 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
         else _first(reported_mamba) if reported_mamba else parse_int(labels.get("mamba_block_size"))
     )  # fmt: skip
 
-    figures: dict[int, EngineFigures] = {}
-    for index, response in zip(sorted(engines), ordered, strict=True):
-        own_block = response.reported("block_size")
-        groups = response.reported("kv_cache_groups")
-        if groups is not None:
-            # The engine's own groups: its Mamba groups' block size, and none without Mamba groups.
-            true_mamba = _first(groups.block_sizes("mamba"))
-            source = FROM_GROUPS
-        else:
-            true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
-            source = FROM_RULE
-        figures[index] = EngineFigures(
-            block_size=own_block if own_block is not None else parse_int(labels.get("block_size")),
-            mamba_block_size=true_mamba,
-            vllm_mamba_block_size=(
-                response.reported("mamba_block_size") if response.sent("mamba_block_size") else configured
-            ),
-            num_gpu_blocks=response.num_gpu_blocks,
-            max_model_len=response.max_model_len,
-            kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
-            kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
-            mamba_block_size_source=source if true_mamba is not None else None,
-            hash_block_size=groups.hash_block_size if groups is not None else None,
-            kv_cache_groups=groups,
-        )
+    figures = {
+        index: _figures(response, mode, configured, parse_int(labels.get("block_size")))
+        for index, response in zip(sorted(engines), ordered, strict=True)
+    }
     if figures:
         labels["mamba_block_size"] = str(figures[min(figures)].mamba_block_size)
 

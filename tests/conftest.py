@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from exporter.service import create_app
-from exporter.settings import Settings
+from exporter.config.settings import Settings
+from exporter.server.app import create_app
 from tests.helpers.figures import pytest_terminal_summary  # noqa: F401  (prints the figures tests record)
 from tests.support import ExporterProcess
 

@@ -18,13 +18,14 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
-from exporter.settings import ENV_PREFIX
+from exporter.config.option import ENV_PREFIX
 from tests.helpers.http import request
 from tests.helpers.prometheus import RULES
 from tests.support import ExporterProcess, require_binary
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+DEPLOYMENT_PAGE = (REPO / "docs" / "deployment.md").read_text()
+METRICS_PAGE = (REPO / "docs" / "metrics.md").read_text()
 KUBERNETES = REPO / "deploy" / "kubernetes"
 EXPORTER = KUBERNETES / "exporter"
 OPERATOR = KUBERNETES / "prometheus-operator"
@@ -57,8 +58,8 @@ def kustomize(folder: Path) -> list[dict[str, Any]]:
 
 
 def readme_secret() -> tuple[str, str]:
-    """The name and key of the Secret the README's ``kubectl create secret`` makes."""
-    (command,) = re.findall(r"^kubectl create secret generic (\S+) .*--from-literal=(\w+)=", README, re.M)
+    """The name and key of the Secret the ``kubectl create secret`` of docs/deployment.md makes."""
+    (command,) = re.findall(r"^kubectl create secret generic (\S+) .*--from-literal=(\w+)=", DEPLOYMENT_PAGE, re.M)
     return command
 
 
@@ -86,10 +87,10 @@ def test_kustomize_builds_the_exporter_without_and_with_the_operator_component()
         assert labels["app.kubernetes.io/part-of"] == "cache-config-exporter"
         # kube-prometheus-stack's serviceMonitorSelector and ruleSelector match release: <Helm release>.
         assert ("release" in labels) is (document["kind"] in OPERATOR_KINDS)
-    # No Secret: applying one would overwrite the live token; the README creates it with kubectl.
+    # No Secret: applying one would overwrite the live token; docs/deployment.md creates it with kubectl.
     assert not any(document["kind"] == "Secret" for document in plain + operator)
     # ... and writes no token into the tracked folder.
-    assert not re.search(r">\s*deploy/", README)
+    assert not re.search(r">\s*deploy/", DEPLOYMENT_PAGE)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -126,7 +127,7 @@ def test_the_resources_select_each_other() -> None:
     assert {port["port"] for rule in policy["ingress"] for port in rule["ports"]} == {ports["http"]}
     sources = [source["podSelector"]["matchLabels"] for rule in policy["ingress"] for source in rule["from"]]
     assert {"app.kubernetes.io/name": "vllm"} in sources
-    # The token the exporter reads is the key of the secret that the StatefulSet mounts, as the README makes it.
+    # The token the exporter reads is the key of the secret that the StatefulSet mounts, as docs/deployment.md makes it.
     environment = {variable["name"]: variable["value"] for variable in container["env"]}
     assert token_path(pod["spec"], container, environment["CACHE_CONFIG_EXPORTER_WEB_INGEST_TOKEN_FILE"]) == (
         readme_secret()
@@ -147,7 +148,7 @@ def test_the_image_is_the_tag_the_readme_builds() -> None:
     (container,) = manifests()["StatefulSet"]["spec"]["template"]["spec"]["containers"]
     name, tag = container["image"].split(":")
     assert (name, tag) == ("cache-config-exporter", version("cache-config-exporter"))
-    builds = re.findall(r"^docker build .*$", README, re.M)
+    builds = re.findall(r"^docker build .*$", DEPLOYMENT_PAGE, re.M)
     assert builds and all(f" -t {container['image']} " in build for build in builds)
 
 
@@ -172,9 +173,9 @@ def test_the_vllm_example_gets_the_plugin_token_and_replica_the_exporter_and_pro
     (plugins,) = [mount for mount in vllm["volumeMounts"] if mount["name"] == shared]
     assert environment["PYTHONPATH"]["value"] == plugins["mountPath"] and plugins["readOnly"]
     # Only variables the plugin reads, besides PYTHONPATH and the downward API's POD_IP.
-    plugin_source = (REPO / "exporter" / "vllm_plugin.py").read_text()
+    plugin_source = (REPO / "exporter" / "vllm_plugin" / "target.py").read_text()
     assert all(f'"{name}"' in plugin_source for name in environment if name.startswith(ENV_PREFIX))
-    # The exporter's Service, its port; the Secret and key the README creates.
+    # The exporter's Service, its port; the Secret and key docs/deployment.md creates.
     service = resources["Service"]
     (port,) = service["spec"]["ports"]
     assert environment["CACHE_CONFIG_EXPORTER_URL"]["value"] == (
@@ -272,9 +273,9 @@ def test_the_unit_environment_starts_an_exporter(
 
 
 def test_the_service_monitor_relabels_as_the_readme_join_says() -> None:
-    """The Operator's spelling of the README's metric_relabel_configs (run in a real Prometheus by
+    """The Operator's spelling of the metric_relabel_configs of docs/metrics.md (run in a real Prometheus by
     tests/test_stock_vllm.py): instance becomes the vLLM server, the exporter's address stays in exporter."""
-    section = README.split("### Joining vLLM's own series", 1)[1].split("\n### ", 1)[0]
+    section = METRICS_PAGE.split("\n## Joining vLLM's own series\n", 1)[1].split("\n## ", 1)[0]
     (config,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
     (job,) = [job for job in yaml.safe_load(config)["scrape_configs"] if job["job_name"] == "cache-config-exporter"]
     (endpoint,) = manifests()["ServiceMonitor"]["spec"]["endpoints"]

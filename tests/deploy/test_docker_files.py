@@ -27,8 +27,8 @@ from tests.helpers.prometheus import (
 )
 from tests.helpers.ready_responses import push_ready
 from tests.helpers.release_payloads import ready_payload
-from tests.support import ExporterProcess, fixture_bytes, free_port, require_binary
 from tests.plugin.test_vllm_engine_groups import groups
+from tests.support import ExporterProcess, fixture_bytes, free_port, require_binary
 
 # Series that Prometheus makes itself for every target rather than scraping them.
 SCRAPE_SERIES = {"up"}

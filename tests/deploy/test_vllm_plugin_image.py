@@ -1,8 +1,8 @@
 """The exporter's image carries the vLLM plugin alone in /opt/vllm-plugins, for stock vLLM images: copied out by a
-Kubernetes init container (deploy/kubernetes/examples/vllm.yaml), or layered on with the README's Dockerfile.
+Kubernetes init container (deploy/kubernetes/examples/vllm.yaml), or layered on with the Dockerfile of docs/vllm.md.
 
-Built offline as the README's "Building offline" does, on the base image of docker/make-base-image.sh (skipped
-where it was never made: tests/test_docker_image.py makes it); the README's layer recipe is built on that base in
+Built offline as docs/deployment.md's "Building offline" does, on the base image of docker/make-base-image.sh (skipped
+where it was never made: tests/test_docker_image.py makes it); the layer recipe of docs/vllm.md is built on that base in
 place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.docs.test_readme_commands import DOCS, clone, docker  # noqa: F401  (docker: a fixture)
 from tests.support import IN_CI
-from tests.docs.test_readme_commands import README, clone, docker  # noqa: F401  (docker: a fixture)
 
 BASE_IMAGE = "cache-config-exporter-base:bookworm"
 LIST_PLUGINS = (
@@ -60,8 +60,8 @@ def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path:
                       "--entrypoint", "sh", image, "-c", f"{' '.join(init['command'])} && ls {shared}"])  # fmt: skip
         assert sorted(copied.split()) == sorted(listed)
 
-        # The README's layer on a stock image: any python3 there finds the plugin by its entry point.
-        (recipe,) = re.findall(r"^```dockerfile\n(.*?)^```$", README, flags=re.DOTALL | re.MULTILINE)
+        # The layer of docs/vllm.md on a stock image: any python3 there finds the plugin by its entry point.
+        (recipe,) = re.findall(r"^```dockerfile\n(.*?)^```$", DOCS, flags=re.DOTALL | re.MULTILINE)
         stock = re.search(r"^FROM (\S+)$", recipe, re.M)
         assert stock is not None and stock.group(1).startswith("vllm/vllm-openai:")
         dockerfile = recipe.replace("cache-config-exporter:0.1.0", image).replace(stock.group(1), BASE_IMAGE)

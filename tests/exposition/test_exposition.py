@@ -1,4 +1,4 @@
-"""/metrics (exporter/exposition.py): the lines it renders, Prometheus text or OpenMetrics by ``Accept``, gzip by
+"""/metrics (exposition/rendering.py): the lines it renders, Prometheus text or OpenMetrics by ``Accept``, gzip by
 ``Accept-Encoding``."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
 
-from exporter import exposition
-from exporter.exposition import FleetLines, ReplicaLines
-from exporter.replica_map import ReplicaMap
-from exporter.replicas import Replica, build_replica, engine_report
-from exporter.series import FAMILIES, replica_samples
+from exporter.exposition import lines as line_cache
+from exporter.exposition import rendering as exposition
+from exporter.exposition.lines import FleetLines, ReplicaLines
+from exporter.exposition.series import FAMILIES, replica_samples
+from exporter.state.replica_map import ReplicaMap
+from exporter.state.replicas import Replica, build_replica, engine_report
 from tests.helpers.http import MSGPACK
 from tests.support import fixture_bytes
 
@@ -239,7 +240,7 @@ def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() 
     replica = build_replica(("qwen", "a"), None, {}, 30.0, 100.0, {0: report}, {})
     lines = ReplicaLines()
     before = lines.part(replica)
-    # A heartbeat keeps the synced config and the engines as the same objects (exporter/changes.py).
+    # A heartbeat keeps the synced config and the engines as the same objects (exporter/state/changes.py).
     alive = msgspec.structs.replace(replica, last_seen=160.0)
     after = lines.part(alive)
     assert lines.of(alive) == ReplicaLines().of(alive), "the same lines as a fresh render"
@@ -278,7 +279,7 @@ def test_a_replicas_info_lines_are_kept_deflated_and_sent_as_rendered() -> None:
     replica = _replica("a", 8)
     part = ReplicaLines().part(replica)
     samples = replica_samples(replica)[0]
-    info = "".join(exposition._line("cache_config_info", labels, value) for labels, value in samples)
+    info = "".join(line_cache._line("cache_config_info", labels, value) for labels, value in samples)
     assert ReplicaLines().of(replica)[0] == info.encode()
     assert len(part.info) * 8 < len(info), "deflated"
     assert info.encode() in _sent(ReplicaLines().fleet(ReplicaMap.of([replica])))
@@ -288,7 +289,7 @@ def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytes
     """The body is joined chunk by chunk as it is sent: however it is cut, it is the whole exposition, in order."""
     replicas = ReplicaMap.of([_replica("b", 2), _replica("a", 1), _replica("c", 3)])
     whole = _sent(ReplicaLines().fleet(replicas))
-    monkeypatch.setattr(exposition, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(line_cache, "CHUNK_BYTES", 64)
     fleet = ReplicaLines().fleet(replicas)
     chunks = [*fleet.config_chunks(), *fleet.liveness_chunks()]
     assert len(chunks) > len(FAMILIES), "cut within the families"
@@ -351,7 +352,7 @@ def test_a_config_rendered_by_another_thread_while_the_parts_are_taken_leaves_th
     lines.fleet(both)
     take = lines._part
 
-    def writer_meanwhile(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
+    def writer_meanwhile(replica: Replica) -> tuple[line_cache.ReplicaPart, bool]:
         if replica.key == a.key:
             pushed = _replica("b", 2, 200.0)
             lines.render_ahead(both, both.with_changes({b.key: pushed}), [pushed])
@@ -377,7 +378,7 @@ def test_a_replica_rendered_ahead_is_not_rendered_again_by_the_scrape() -> None:
 
 
 def _forbid_renders(lines: ReplicaLines, monkeypatch: pytest.MonkeyPatch) -> None:
-    def render(replica: Replica) -> tuple[exposition.ReplicaPart, bool]:
+    def render(replica: Replica) -> tuple[line_cache.ReplicaPart, bool]:
         raise AssertionError(f"{replica.key} looked at by the scrape")
 
     monkeypatch.setattr(lines, "_part", render)
@@ -488,7 +489,7 @@ def test_a_small_body_is_joined_once_a_large_one_at_every_scrape(monkeypatch: py
     (again,) = small.text()
     assert again is first
     monkeypatch.setattr(exposition, "JOINED_BYTES", 0)
-    monkeypatch.setattr(exposition, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(line_cache, "CHUNK_BYTES", 1024)
     large = exposition._Rendered(ReplicaLines().fleet(replicas))
     chunks = list(large.text())
     assert len(chunks) > 1 and b"".join(chunks) == first

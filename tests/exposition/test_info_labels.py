@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.series import IDENTITY
+from exporter.exposition.series import IDENTITY
 from protocol import releases
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.release_payloads import ready_payload
-from tests.support import ExporterProcess, wait_until
-from tests.server.test_cli import run_cli
 from tests.probe.test_probe import (  # noqa: F401  (serve_target: a fixture)
     LOOPBACK,
     MODEL,
@@ -25,19 +23,22 @@ from tests.probe.test_probe import (  # noqa: F401  (serve_target: a fixture)
     serve_target,
     vllm_target,
 )
+from tests.server.test_cli import run_cli
 from tests.server.test_service import scrape
+from tests.support import ExporterProcess, wait_until
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 MSGPACK = {"Content-Type": "application/vnd.msgpack"}
 # Mimir's and Cortex's default max_label_names_per_series.
 MIMIR_MAX_LABEL_NAMES = 30
-# What Prometheus adds to every scraped series: the name, the job and instance, and the README's join label.
+# What Prometheus adds to every scraped series: the name, the job and instance, and the join label of the docs.
 ADDED_BY_PROMETHEUS = ("__name__", "job", "instance", "exporter")
 
 
 def readme_compact_set() -> list[str]:
-    """The allowlist the README documents as the compact set."""
-    (listed,) = re.findall(r"^cache-config-exporter serve --metric\.labels-allowlist (\S+)$", README.read_text(), re.M)
+    """The allowlist docs/metrics.md documents as the compact set."""
+    page = METRICS_PAGE.read_text()
+    (listed,) = re.findall(r"^cache-config-exporter serve --metric\.labels-allowlist (\S+)$", page, re.M)
     return listed.split(",")
 
 

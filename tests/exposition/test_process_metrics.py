@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from exporter import process_metrics
-from exporter.process_metrics import ProcessMetrics, open_fds
+from exporter.exposition import process_metrics
+from exporter.exposition.process_metrics import ProcessMetrics, open_fds
 
 FD = Path("/proc/self/fd")
 

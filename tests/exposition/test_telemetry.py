@@ -1,4 +1,4 @@
-"""The exporter's own metrics (exporter/telemetry.py): counted where things happen, shown on the next scrape,
+"""The exporter's own metrics (exporter/exposition/telemetry.py): counted where things happen, shown on the next scrape,
 and summed over every worker process."""
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from typing import Any
 
 import msgspec
 
-from exporter import changes
-from exporter.changes import EngineReady, Rules
-from exporter.replica_map import ReplicaMap
-from exporter.replicas import ReplicaKey
-from exporter.writer import Batch, Census
+from exporter.state import changes
+from exporter.state.changes import EngineReady, Rules
+from exporter.state.replica_map import ReplicaMap
+from exporter.state.replicas import ReplicaKey
+from exporter.state.writer import Batch, Census
 from protocol import decode_ready_response, encode_ready_response
 from tests.support import fixture_bytes
 

@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from exporter import vllm_plugin
+from exporter.vllm_plugin import plugin as vllm_plugin
+from exporter.vllm_plugin import target as plugin_target
 from tests.helpers.exposition import samples
 from tests.helpers.figures import record
 from tests.helpers.http import request
@@ -53,7 +54,7 @@ class Replica:
         )
         command = [sys.executable, "-m", "tests.plugin.test_fleet_plugin", "serve", "--port", str(port), "--run", run,
                    "--blocks", str(blocks)]  # fmt: skip
-        self.name = vllm_plugin.replica_of(None, ["--port", str(port)])
+        self.name = plugin_target.replica_of(None, ["--port", str(port)])
         self.run = run
         self.blocks = blocks
         with log.open("ab") as output:

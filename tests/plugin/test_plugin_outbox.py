@@ -1,6 +1,6 @@
 """The vLLM plugin's delivery rules, step by step with a made-up clock: no threads, no sockets, no waiting.
 
-``now`` is seconds on the outbox's monotonic clock; each answer is what ``exporter.sender`` would return.
+``now`` is seconds on the outbox's monotonic clock; each answer is what ``exporter.vllm_plugin.sender`` would return.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import msgspec
 import pytest
 
-from exporter import sender
-from exporter.plugin_outbox import MAX_BATCH_BYTES, Attempt, Backoff, Outbox, Update, Verdict, verdict_of
+from exporter.vllm_plugin import sender
+from exporter.vllm_plugin.outbox import MAX_BATCH_BYTES, Attempt, Backoff, Outbox, Update, Verdict, verdict_of
 
 HEARTBEAT = 10.0
 FIRST_RETRY = 0.5

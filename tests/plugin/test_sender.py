@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import sender
+from exporter.vllm_plugin import sender
+from protocol import tokens
 from tests.helpers.http import raw_socket, request
 from tests.support import ExporterProcess, fixture_bytes, free_port
 
@@ -92,18 +93,18 @@ def test_the_ingest_token_from_a_file(start_exporter: Callable[..., ExporterProc
     assert isinstance(without, sender.Refused)
     assert (without.status, without.field) == (401, "Authorization")
 
-    token = sender.read_token(token_file)
+    token = tokens.read_token(token_file)
     assert token == "s3cr3t-ingest"
-    assert isinstance(send(exporter, call, sender.bearer(token)), sender.Accepted)
+    assert isinstance(send(exporter, call, tokens.bearer(token)), sender.Accepted)
 
 
 def test_tokens_that_cannot_be_read_or_sent(tmp_path: Path) -> None:
-    with pytest.raises(sender.TokenError, match="No such file"):
-        sender.read_token(tmp_path / "missing")
-    with pytest.raises(sender.TokenError, match="cannot have"):
-        sender.bearer("two words")
+    with pytest.raises(tokens.TokenError, match="No such file"):
+        tokens.read_token(tmp_path / "missing")
+    with pytest.raises(tokens.TokenError, match="cannot have"):
+        tokens.bearer("two words")
     (tmp_path / "empty").write_text("\n")
-    assert sender.read_token(tmp_path / "empty") == ""
+    assert tokens.read_token(tmp_path / "empty") == ""
 
 
 class _Proxy(BaseHTTPRequestHandler):

@@ -23,7 +23,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter import vllm_engine_groups
+from exporter.vllm_plugin import engine_groups as vllm_engine_groups
 from protocol import KV_CACHE_GROUPS_KEY, KVCacheGroup, KVCacheGroups, decode_ready_response, spec_kind
 from protocol.releases import releases
 from tests.helpers.exposition import info_labels, samples

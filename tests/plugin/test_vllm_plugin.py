@@ -38,8 +38,11 @@ from typing import Any, NamedTuple
 import msgspec
 import pytest
 
-from exporter import vllm_plugin
-from exporter.vllm_plugin import FORWARDER_ATTRIBUTE, Forwarder, Target, deployment_of, register, replica_of
+from exporter.vllm_plugin import delivery
+from exporter.vllm_plugin import plugin as vllm_plugin
+from exporter.vllm_plugin import target as plugin_target
+from exporter.vllm_plugin.plugin import FORWARDER_ATTRIBUTE, Forwarder, register
+from exporter.vllm_plugin.target import Target, deployment_of, replica_of
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.figures import record
 from tests.helpers.http import request
@@ -51,13 +54,13 @@ REAL_VLLM_VARIABLE = "CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM"
 REAL_VLLM = os.environ.get(REAL_VLLM_VARIABLE) == "1"
 CORE_CLIENT = "vllm.v1.engine.core_client"
 VARIABLES = (
-    vllm_plugin.URL_VARIABLE,
-    vllm_plugin.DEPLOYMENT_VARIABLE,
-    vllm_plugin.REPLICA_VARIABLE,
-    vllm_plugin.HEARTBEAT_VARIABLE,
-    vllm_plugin.TOKEN_FILE_VARIABLE,
-    vllm_plugin.TOKEN_VARIABLE,
-    vllm_plugin.TIMEOUT_VARIABLE,
+    plugin_target.URL_VARIABLE,
+    plugin_target.DEPLOYMENT_VARIABLE,
+    plugin_target.REPLICA_VARIABLE,
+    plugin_target.HEARTBEAT_VARIABLE,
+    plugin_target.TOKEN_FILE_VARIABLE,
+    plugin_target.TOKEN_VARIABLE,
+    plugin_target.TIMEOUT_VARIABLE,
 )
 # The plugin's timeout against an exporter that hangs. Elsewhere an answer is waited for as long as a loaded
 # machine may take: a request given up on is repeated, and the tests count requests.
@@ -101,8 +104,8 @@ def pristine(monkeypatch: pytest.MonkeyPatch, vllm_package: ModuleType) -> Itera
     """No plugin variables set, backoff short enough for tests, and vLLM's own methods back after the test."""
     for variable in VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(vllm_plugin, "FIRST_RETRY_SECONDS", 0.01)
-    monkeypatch.setattr(vllm_plugin, "MAX_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(delivery, "FIRST_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(delivery, "MAX_RETRY_SECONDS", 0.05)
     client_class = vllm_package.MPClient
     monkeypatch.setattr(client_class, "_apply_ready_response", client_class._apply_ready_response)
     monkeypatch.setattr(client_class, "shutdown", client_class.shutdown)
@@ -158,8 +161,8 @@ def plugin_on(monkeypatch: pytest.MonkeyPatch, url: str, **variables: str) -> No
     """Set the plugin's variables (``deployment=...`` sets CACHE_CONFIG_EXPORTER_DEPLOYMENT) and load it.
 
     The timeout is ``ANSWER_TIMEOUT`` unless ``timeout=...`` is given."""
-    monkeypatch.setenv(vllm_plugin.URL_VARIABLE, url)
-    monkeypatch.setenv(vllm_plugin.TIMEOUT_VARIABLE, str(ANSWER_TIMEOUT))
+    monkeypatch.setenv(plugin_target.URL_VARIABLE, url)
+    monkeypatch.setenv(plugin_target.TIMEOUT_VARIABLE, str(ANSWER_TIMEOUT))
     for name, value in variables.items():
         monkeypatch.setenv(f"CACHE_CONFIG_EXPORTER_{name.upper()}", value)
     register()
@@ -268,11 +271,12 @@ def stub() -> Iterator[Callable[..., StubExporter]]:
 
 
 def test_importing_the_plugin_loads_no_web_stack_and_no_vllm() -> None:
+    """msgspec, which ``protocol`` loads, is vLLM's own dependency: loaded in every vLLM process before plugins."""
     code = "import json, sys, exporter.vllm_plugin; print(json.dumps([m.split('.')[0] for m in sys.modules]))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True)
     loaded = set(json.loads(run.stdout))
     assert "exporter" in loaded
-    assert not {"fastapi", "starlette", "uvicorn", "prometheus_client", "msgspec", "vllm"} & loaded
+    assert not {"fastapi", "starlette", "uvicorn", "prometheus_client", "h11", "bcrypt", "vllm"} & loaded
 
 
 def test_without_url_register_does_nothing_at_all() -> None:
@@ -794,8 +798,8 @@ def test_the_added_cost_on_vllm_start_up_path_is_tiny_with_the_exporter_down(
     monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
 ) -> None:
     # Production backoff: the measure is the caller's time, with the delivery thread as it really runs.
-    monkeypatch.setattr(vllm_plugin, "FIRST_RETRY_SECONDS", 0.5)
-    monkeypatch.setattr(vllm_plugin, "MAX_RETRY_SECONDS", 30.0)
+    monkeypatch.setattr(delivery, "FIRST_RETRY_SECONDS", 0.5)
+    monkeypatch.setattr(delivery, "MAX_RETRY_SECONDS", 30.0)
     plugin_on(monkeypatch, f"http://127.0.0.1:{free_port()}")
     wrapped = importlib.import_module(CORE_CLIENT).MPClient._apply_ready_response
     original = wrapped.__wrapped__

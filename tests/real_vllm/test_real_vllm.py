@@ -37,7 +37,7 @@ from typing import NamedTuple
 import pytest
 from prometheus_client.samples import Sample
 
-from exporter.vllm_plugin import replica_of
+from exporter.vllm_plugin.plugin import replica_of
 from tests.helpers.exposition import families, info_labels, samples, scrape
 from tests.helpers.figures import record
 from tests.helpers.http import request

@@ -1,10 +1,10 @@
-"""Access refusals go through the one table (exporter/problems.py), each with the headers a client needs."""
+"""Access refusals go through the one table (exporter/server/problems.py), each with the headers a client needs."""
 
 from __future__ import annotations
 
-from exporter.auth import Unauthorized
-from exporter.bcrypt_checks import AuthenticationBusy
-from exporter.problems import problem_for
+from exporter.security.auth import Unauthorized
+from exporter.security.bcrypt_checks import AuthenticationBusy
+from exporter.server.problems import problem_for
 
 
 def test_a_401_carries_its_own_challenge() -> None:

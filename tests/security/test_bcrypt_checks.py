@@ -16,8 +16,8 @@ from tests.helpers.exposition import samples
 from tests.helpers.figures import record
 from tests.helpers.health import health_latency, recovery_seconds
 from tests.helpers.http import Reply, raw_socket, read_until_closed, request
-from tests.support import ExporterProcess, wait_until
 from tests.security.test_security import basic
+from tests.support import ExporterProcess, wait_until
 
 PASSWORD = "the-right-password"
 CHECKS = "cache_config_exporter_password_checks_total"

@@ -13,8 +13,9 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from exporter.auth import Credentials
-from exporter.settings import Settings, SettingsError
+from exporter.config.option import SettingsError
+from exporter.config.settings import Settings
+from exporter.security.auth import Credentials
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response

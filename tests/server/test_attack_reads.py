@@ -14,8 +14,8 @@ from tests.helpers.figures import record
 from tests.helpers.health import HealthWatch, recovery_seconds
 from tests.helpers.http import MSGPACK, raw_socket, request
 from tests.helpers.ready_responses import ready_response
-from tests.support import ExporterProcess, wait_until
 from tests.server.test_attack_budget import shaped_payload
+from tests.support import ExporterProcess, wait_until
 
 
 def populate(exporter: ExporterProcess, deployments: int) -> None:

@@ -79,7 +79,8 @@ def test_settings_come_from_environment_variables(start_exporter: Callable[..., 
 
 def test_the_readme_quickstart_lines_are_what_a_user_sees(start_exporter: Callable[..., ExporterProcess]) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    quickstart = readme[readme.index("## Quickstart") : readme.index("## How it works")]
+    start = readme.index("\n## Quickstart\n")
+    quickstart = readme[start : readme.index("\n## ", start + 1)]
     documented = [line for line in quickstart.splitlines() if line.startswith("cache_config_")]
     [fixture] = re.findall(r"--data-binary @(\S+)", quickstart)
     [pattern] = re.findall(r"grep -E '(.+)'", quickstart)
@@ -91,11 +92,11 @@ def test_the_readme_quickstart_lines_are_what_a_user_sees(start_exporter: Callab
     assert len(documented) == 4
 
 
-def test_the_readme_python_example_is_accepted_by_the_exporter_and_by_every_vllm_decoder(
+def test_the_docs_python_example_is_accepted_by_the_exporter_and_by_every_vllm_decoder(
     start_exporter: Callable[..., ExporterProcess], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    [example] = [block.partition("\n")[2] for block in readme.split("```")[1:] if block.startswith("python\n")]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "http-api.md").read_text()
+    [example] = [block.partition("\n")[2] for block in page.split("```")[1:] if block.startswith("python\n")]
     exporter = start_exporter()
     namespace: dict[str, object] = {}
     exec(example.replace("http://127.0.0.1:10987", exporter.url), namespace)  # the documented code, as written

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from exporter.cli import build_parser, serve
-from exporter.gc_freeze import FreezePacing
+from exporter.server.gc_freeze import FreezePacing
 
 
 def never_counted() -> int:
@@ -90,7 +90,7 @@ def test_a_steady_fleet_is_counted_rarely_and_never_thawed() -> None:
 GARBAGE_IN_FROZEN_CYCLES = textwrap.dedent(
     """
     import gc, json, weakref
-    from exporter.gc_freeze import freeze_survivors
+    from exporter.server.gc_freeze import freeze_survivors
 
     class Node:
         pass

@@ -1,4 +1,4 @@
-"""/openapi.json (exporter/openapi.py): written from the same Structs that validate each route's parameters."""
+"""/openapi.json (exporter/server/openapi.py): written from the same Structs that validate each route's parameters."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from playwright.sync_api import Page
 
 from tests.helpers.http import request
 from tests.helpers.ready_responses import push_ready
-from tests.support import ExporterProcess
 from tests.server.test_status_page import ARTIFACTS, browser_page, exporter  # noqa: F401  (fixtures)
+from tests.support import ExporterProcess
 
 
 def test_docs_show_parameters_content_types_metrics_and_health(

@@ -1,4 +1,4 @@
-"""The one table from refusals to HTTP statuses (exporter/problems.py)."""
+"""The one table from refusals to HTTP statuses (exporter/server/problems.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from exporter.errors import (
     UnknownReplica,
     UnsupportedMediaType,
 )
-from exporter.problems import problem_for
+from exporter.server.problems import problem_for
 from protocol import InvalidPayload, MalformedPayload, SyncConflict
 
 

@@ -22,9 +22,9 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from exporter.quick_heartbeats import HeartbeatAnsweringProtocol, QuickHeartbeats
-from exporter.service import create_app
-from exporter.settings import Settings
+from exporter.config.settings import Settings
+from exporter.server.app import create_app
+from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol, QuickHeartbeats
 from tests.support import fixture_bytes, free_port, wait_until
 
 HEARTBEAT = "POST /api/v1/deployments/qwen/heartbeat?interval=30{query} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n"

@@ -17,8 +17,8 @@ import pytest
 
 from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
 from tests.helpers.ready_responses import ready_response
-from tests.support import ExporterProcess
 from tests.server.test_attack_transport import settings_env
+from tests.support import ExporterProcess
 
 HEADER_TIMEOUT = 1.0
 READ_TIMEOUT = 1.0

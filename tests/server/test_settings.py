@@ -1,4 +1,4 @@
-"""Settings declared once: the flags, environment variables, defaults, messages and README table they make."""
+"""Settings declared once: the flags, environment variables, defaults, messages and docs table they make."""
 
 from __future__ import annotations
 
@@ -12,19 +12,11 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import build_parser
-from exporter.settings import (
-    ENV_PREFIX,
-    Settings,
-    SettingsError,
-    default_storage_path,
-    env_name,
-    flag_of,
-    markdown_table,
-    serve_options,
-    settings_from,
-)
+from exporter.config.option import ENV_PREFIX, SettingsError, env_name
+from exporter.config.options import default_storage_path
+from exporter.config.settings import Settings, flag_of, markdown_table, serve_options, settings_from
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 NUMBERS = [name for name, kind in typing.get_type_hints(Settings).items() if kind in (int, float)]
 
 
@@ -139,23 +131,23 @@ def test_settings_travel_to_worker_processes_unchanged(monkeypatch: pytest.Monke
     assert Settings.from_environment() == settings
 
 
-def test_the_readme_table_of_flags_is_the_generated_one() -> None:
-    """Generated, never edited by hand: run ``python -m exporter.settings --markdown`` and paste it between
-    the README's settings markers."""
+def test_the_table_of_flags_in_the_docs_is_the_generated_one() -> None:
+    """Generated, never edited by hand: run ``python -m exporter.config.settings --markdown`` and paste it between
+    the settings markers of docs/operators.md."""
     generated = subprocess.run(
-        [sys.executable, "-m", "exporter.settings", "--markdown"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "exporter.config.settings", "--markdown"], capture_output=True, text=True, check=True
     ).stdout
     assert generated == markdown_table(list(serve_options().values()))
-    readme = README.read_text()
+    page = (DOCS / "operators.md").read_text()
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
-    assert readme[readme.index(begin) + len(begin) : readme.index(end)] == generated
+    assert page[page.index(begin) + len(begin) : page.index(end)] == generated
     assert all(f"| `{option.flag}` |" in generated for option in serve_options().values())
 
 
-def test_the_readme_table_of_limits_states_the_declared_defaults() -> None:
+def test_the_table_of_limits_in_the_docs_states_the_declared_defaults() -> None:
     """The limits table explains what happens past each limit in prose; its defaults must still be the code's."""
-    readme = README.read_text()
-    section = readme[readme.index("### Limits and their defaults") :]
+    page = (DOCS / "security.md").read_text()
+    section = page[page.index("## Limits and their defaults\n") :]
     rows = re.findall(r"^\| `(--[a-z.-]+)` \| `(\d+)`", section[: section.index("\n#")], re.MULTILINE)
     options = {option.flag: option for option in serve_options().values()}
     assert len(rows) >= 9

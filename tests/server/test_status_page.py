@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from playwright.sync_api import Page, sync_playwright
 from prometheus_client import CollectorRegistry
 
-from exporter.service import create_app
-from exporter.settings import Settings
+from exporter.config.settings import Settings
+from exporter.server.app import create_app
 from tests.helpers.ready_responses import push_ready
 from tests.support import FIXTURES, ExporterProcess, require_binary
 

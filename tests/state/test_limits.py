@@ -1,12 +1,12 @@
-"""The caps and the byte budget (exporter/limits.py), each at its boundary, checked on a writer batch directly."""
+"""The caps and the byte budget (exporter/state/limits.py), each at its boundary, checked on a writer batch directly."""
 
 from __future__ import annotations
 
-from exporter import changes
-from exporter.changes import Rules
 from exporter.errors import LimitExceeded
-from exporter.limits import ByteBudget, Limits
-from exporter.replicas import Replica
+from exporter.state import changes
+from exporter.state.changes import Rules
+from exporter.state.limits import ByteBudget, Limits
+from exporter.state.replicas import Replica
 from tests.helpers.batches import KEY, RANK1, Clock, Fleet, ready
 
 # Every replica takes 100 bytes per engine: sizes a test can count.

@@ -22,11 +22,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from exporter.config.settings import Settings
 from exporter.errors import StorageUnavailable
-from exporter.service import create_app
-from exporter.settings import Settings
-from exporter.state import ExporterState
-from exporter.storage import SqliteStore, StoredEngine, StoredReplica
+from exporter.server.app import create_app
+from exporter.state.exporter_state import ExporterState
+from exporter.state.storage import SqliteStore, StoredEngine, StoredReplica
 from protocol import decode_ready_response
 from tests.helpers.disk import ext4, fill, tmpfs
 from tests.helpers.exposition import cache_config_samples, scrape, single_value

@@ -1,4 +1,4 @@
-"""The state's rules (exporter/changes.py) driven on a batch directly, with fake clocks: no writer thread, no store
+"""The state's rules (state/changes.py) driven on a batch directly, with fake clocks: no writer thread, no store
 (``tests/helpers/batches.py``)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-from exporter import changes
-from exporter.changes import EngineReady, Rules
 from exporter.errors import LimitExceeded, UnknownReplica
-from exporter.limits import ByteBudget, Limits
-from exporter.replica_map import SHARDS
-from exporter.replicas import Replica, ReplicaKey
-from exporter.writer import Batch
+from exporter.state import changes
+from exporter.state.changes import EngineReady, Rules
+from exporter.state.limits import ByteBudget, Limits
+from exporter.state.replica_map import SHARDS
+from exporter.state.replicas import Replica, ReplicaKey
+from exporter.state.writer import Batch
 from protocol import EngineCoreReadyResponse, SyncConflict, decode_ready_response
 from tests.helpers.batches import CONFLICTING, KEY, RANK0, RANK1, Clock, Fleet, ready
 

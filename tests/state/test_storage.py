@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.storage import PAGE_CACHE_KIB, LastSeen, SqliteStore, StorageError, StoredReplica
+from exporter.state.storage import PAGE_CACHE_KIB, LastSeen, SqliteStore, StorageError, StoredReplica
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK
 from tests.helpers.sqlite_file import integrity

@@ -1,4 +1,4 @@
-"""The writer (exporter/writer.py): group commit, nothing shown or acknowledged before it is durable, a failing
+"""The writer (exporter/state/writer.py): group commit, nothing shown or acknowledged before it is durable, a failing
 store or a failing change refused alone."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from exporter import writer
-from exporter.changes import EngineReady, ReadyOutcome
 from exporter.errors import StorageUnavailable
-from exporter.replica_map import ReplicaMap
-from exporter.replicas import Replica
-from exporter.state import ExporterState
-from exporter.storage import SqliteStore
+from exporter.state import writer
+from exporter.state.changes import EngineReady, ReadyOutcome
+from exporter.state.exporter_state import ExporterState
+from exporter.state.replica_map import ReplicaMap
+from exporter.state.replicas import Replica
+from exporter.state.storage import SqliteStore
 from protocol import decode_ready_response
 from tests.helpers.sqlite_file import read_only, rows
 from tests.support import fixture_bytes, wait_until

@@ -1,0 +1,136 @@
+"""How a setting is declared: its ``Option`` (flag, help, default, how its text is read), from which come its
+flag, its environment variable and its row in the table of flags; and how the files settings name are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "CACHE_CONFIG_EXPORTER_"
+_TRUE = ("1", "true", "yes", "on")
+# The key of a settings field's ``Option`` in the field's metadata.
+OPTION = "option"
+
+
+def env_name(flag: str) -> str:
+    """``--web.listen-address`` -> ``CACHE_CONFIG_EXPORTER_WEB_LISTEN_ADDRESS``."""
+    return ENV_PREFIX + flag.lstrip("-").replace(".", "_").replace("-", "_").upper()
+
+
+class SettingsError(ValueError):
+    """A setting that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag, declared once: its name, help and default, how its text is read; its environment variable
+    and its row in the README follow from these.
+
+    ``parse`` turns the flag's text into the value (``None``: the text itself; for a setting, read by its type).
+    ``context`` names settings whose values ``parse`` takes after the text. ``documented`` is the default as
+    the README tells it, where the machine decides the value.
+    """
+
+    flag: str
+    help: str
+    default: object = None
+    default_factory: Callable[[], object] | None = None
+    parse: Callable[..., object] | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False
+    context: tuple[str, ...] = ()
+    documented: str | None = None
+
+    @property
+    def variable(self) -> str:
+        return env_name(self.flag)
+
+    @property
+    def dest(self) -> str:
+        """The attribute of argparse's namespace: the variable's name without the prefix, lower case."""
+        return self.variable.removeprefix(ENV_PREFIX).lower()
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        """The flag, whose default comes from its environment variable, then from the declaration."""
+        if self.switch:
+            enabled = os.environ.get(self.variable, "").lower() in _TRUE
+            parser.add_argument(
+                self.flag,
+                dest=self.dest,
+                action="store_true",
+                default=enabled,
+                help=f"{self.help} (env {self.variable})",
+            )
+            return
+        default = self.default_factory() if self.default_factory else self.default
+        parser.add_argument(
+            self.flag,
+            dest=self.dest,
+            default=os.environ.get(self.variable, default),
+            type=None if self.context else self.parse,
+            choices=self.choices,
+            help=f"{self.help} (env {self.variable}; default: %(default)s)",
+        )
+
+    def markdown_row(self) -> str:
+        return f"| `{self.flag}` | `{self.variable}` | {self._documented_default()} | {self.help} |"
+
+    def _documented_default(self) -> str:
+        if self.documented is not None:
+            return f"`{self.documented}`"
+        if self.switch:
+            return "off"
+        if self.default is None:
+            return "none"
+        if self.default == "":
+            return "empty"
+        return f"`{self.default:g}`" if isinstance(self.default, float) else f"`{self.default}`"
+
+
+def setting(default: object, flag: str, help_text: str, **declared: Any) -> Any:
+    """A ``Settings`` field and the flag that sets it. The flag's default is the field's, unless
+    ``flag_default`` says otherwise; a ``default_factory`` makes both."""
+    flag_default = declared.pop("flag_default", default)
+    option = Option(flag, help_text, flag_default, **declared)
+    if option.default_factory is not None:
+        return field(default_factory=option.default_factory, metadata={OPTION: option})
+    return field(default=default, metadata={OPTION: option})
+
+
+def file_setting(flag: str, help_text: str) -> Any:
+    """A setting that names a file, none by default."""
+    return setting(None, flag, help_text)
+
+
+def list_setting(flag: str, help_text: str) -> Any:
+    """A setting that takes a comma-separated list, empty by default."""
+    return setting((), flag, help_text, flag_default="", parse=entries)
+
+
+def optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+def entries(text: str) -> tuple[str, ...]:
+    """A comma-separated list, blank entries dropped."""
+    return tuple(entry.strip() for entry in text.split(",") if entry.strip())
+
+
+def read_file(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise SettingsError(f"{flag} {path}: {error.strerror}") from None
+
+
+def read_secret(flag: str, path: Path) -> str:
+    """A secret from a file (surrounding white space stripped); never echoed in messages."""
+    secret = read_file(flag, path).decode("utf-8", "replace").strip()
+    if not secret:
+        raise SettingsError(f"{flag} {path}: the file is empty")
+    return secret

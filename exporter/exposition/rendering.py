@@ -1,0 +1,165 @@
+"""What ``/metrics`` sends, in every format it advertises, and the caches that make a scrape cost little.
+
+Two formats, negotiated here alone: Prometheus text 0.0.4 and OpenMetrics
+1.0.0. Any other ``Accept`` (other versions, broken parameters) gets text
+0.0.4, never an error and never a body labelled with a version it is not.
+
+The cache-config families (nearly all the bytes) are rendered here from the
+samples of ``exporter/exposition/series.py``, one replica at a time and once per change of it (replicas
+are immutable, so the lines are cached by identity; the info lines, half the bytes, are
+kept deflated). A scrape of a large fleet
+sends them in chunks joined as they go, so no whole copy of it is ever held (a
+small body is joined once per state version);
+for gzip the config families (everything but last-seen, which is last) are
+compressed once per change of any replica's config, and the liveness lines go
+stored (deflate's blocks without compression): they change with every heartbeat,
+so each new state version would compress them anew for each scrape. The families are
+gauges, whose lines are the same in both formats, so text and OpenMetrics
+share that part.
+The exporter's own metrics follow, rendered by prometheus_client's encoder of
+the format from their registry (reused until a count changes, and at most a
+second: the process metrics read /proc). For gzip each cached part ends on a byte
+boundary and keeps the CRC-32 of what it holds, and the tail is a deflate part of its
+own, so each scrape compresses only the small tail yet sends one valid gzip stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry
+
+from exporter.exposition.formats import GZIP_HEADER, GZIP_LEVEL, SELF_METRICS_SECONDS, Format, negotiate
+from exporter.exposition.lines import FleetLines, ReplicaLines
+from exporter.exposition.telemetry import Telemetry
+from exporter.state.exporter_state import ExporterState, PerVersion
+
+# A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
+JOINED_BYTES = 4 << 20
+
+
+class _Compressed:
+    """The start of every gzip stream while ``generation`` stays: the gzip header and the config families
+    raw-deflated up to a byte boundary (a sync flush), with their CRC-32 and length for the trailer."""
+
+    def __init__(self, lines: FleetLines) -> None:
+        self.generation = lines.generation
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+        compressed, self.crc, self.size = _deflated(compressor, lines.config_chunks())
+        self.prefix = GZIP_HEADER + compressed
+
+
+class _Rendered:
+    """One state version's lines, and (on first demand) the gzip stream of them up to the exporter's metrics."""
+
+    def __init__(self, lines: FleetLines) -> None:
+        self.lines = lines
+        self._joined: bytes | None = None
+        self._gzip: _Gzip | None = None
+        self._lock = threading.Lock()
+
+    def text(self) -> Iterable[bytes]:
+        """The plain body's chunks: joined once when small, else joined anew as each scrape sends them."""
+        lines = self.lines
+        if lines.length > JOINED_BYTES:
+            return itertools.chain(lines.config_chunks(), lines.liveness_chunks())
+        with self._lock:
+            if self._joined is None:
+                self._joined = b"".join([*lines.config_chunks(), *lines.liveness_chunks()])
+            return (self._joined,)
+
+    @property
+    def has_gzip(self) -> bool:
+        return self._gzip is not None
+
+    def gzip(self, config: Callable[[FleetLines], _Compressed]) -> _Gzip:
+        """The gzip stream up to the exporter's metrics: the config part (shared across versions) and this
+        version's liveness part, stored (deflate's blocks without compression)."""
+        with self._lock:
+            if self._gzip is None:
+                compressed = config(self.lines)
+                stored = zlib.compressobj(0, zlib.DEFLATED, -zlib.MAX_WBITS)
+                liveness, crc, size = _deflated(stored, self.lines.liveness_chunks(), compressed.crc)
+                self._gzip = _Gzip(compressed.prefix, liveness, crc, compressed.size + size)
+            return self._gzip
+
+
+class _Gzip(NamedTuple):
+    """A gzip stream without its end: the compressed parts, and the CRC-32 and length of what they hold."""
+
+    prefix: bytes
+    liveness: bytes
+    crc: int
+    size: int
+
+    def finished(self, tail: bytes) -> tuple[bytes, ...]:
+        """The whole stream, ``tail`` compressed last (a new deflate part: it refers to nothing before it)."""
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+        end = compressor.compress(tail) + compressor.flush()
+        trailer = struct.pack("<II", zlib.crc32(tail, self.crc), (self.size + len(tail)) & 0xFFFFFFFF)
+        return (self.prefix, self.liveness, end + trailer)
+
+
+def _deflated(compressor: zlib._Compress, chunks: Iterable[bytes], crc: int = 0) -> tuple[bytes, int, int]:
+    """``chunks`` raw-deflated by ``compressor`` up to a byte boundary, so that another deflate part may follow;
+    the CRC-32 of the chunks continued from ``crc``, and their length."""
+    compressed = []
+    size = 0
+    for chunk in chunks:
+        compressed.append(compressor.compress(chunk))
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+    compressed.append(compressor.flush(zlib.Z_SYNC_FLUSH))
+    return b"".join(compressed), crc, size
+
+
+class Exposition:
+    """Renders ``/metrics`` bodies: the replicas of ``state``, then the exporter's own metrics in ``registry``."""
+
+    def __init__(
+        self, state: ExporterState, lines: ReplicaLines, registry: CollectorRegistry, telemetry: Telemetry
+    ) -> None:
+        self._state = state
+        self._registry = registry
+        self._telemetry = telemetry
+        self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.fleet(replicas)))
+        self._compressed: _Compressed | None = None
+        self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
+
+    def is_fresh(self, gzip: bool) -> bool:
+        """True when ``render`` will neither render nor compress the large part (cheap on the event loop)."""
+        rendered = self._rendered.fresh()
+        return rendered is not None and (rendered.has_gzip or not gzip)
+
+    def _config_gzip(self, lines: FleetLines) -> _Compressed:
+        """The compressed config part, again only when the fleet's config lines changed (under a version's lock)."""
+        compressed = self._compressed
+        if compressed is None or compressed.generation != lines.generation or lines.generation < 0:
+            compressed = self._compressed = _Compressed(lines)
+        return compressed
+
+    def _own_metrics(self, served: Format) -> bytes:
+        """The registry in ``served``'s format, without its end marker."""
+        healthy = self._state.storage_error is None
+        key = (self._telemetry.generation, healthy, int(time.monotonic() / SELF_METRICS_SECONDS))
+        cached = self._self_metrics.get(served)
+        if cached is None or cached[0] != key:
+            cached = (key, served.render(self._registry).removesuffix(served.end))
+            self._self_metrics[served] = cached
+        return cached[1]
+
+    def render(self, accept: str, gzip: bool) -> tuple[Iterable[bytes], int, str]:
+        """The body (chunks to send in order, joined as they are sent), its length and its content type."""
+        served = negotiate(accept)
+        rendered = self._rendered.current()
+        tail = self._own_metrics(served) + served.end
+        if not gzip:
+            return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
+        body = rendered.gzip(self._config_gzip).finished(tail)
+        return body, sum(map(len, body)), served.content_type

@@ -1,0 +1,221 @@
+"""Which series a replica has: the cache-config metric families and their samples, as data.
+
+``cache_config_info`` carries the labels of the sending vLLM release with the
+block sizes the engines really run with; its numeric companions carry each
+engine's figures as the sync worked them out (``protocol/sync.py``): nothing
+here decides a value. Every scrape reflects the current state: a changed label
+set or a dropped engine leaves no stale series behind.
+
+``exporter/exposition/rendering.py`` renders these samples in each format, and caches
+them per replica.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from exporter.state.replicas import Replica
+from protocol import KVCacheGroups, releases
+
+Labels = tuple[tuple[str, str], ...]
+Sample = tuple[Labels, float]
+
+
+@dataclass(frozen=True)
+class Family:
+    suffix: str
+    help: str
+
+
+INFO = Family(
+    "info",
+    "Information of the LLMEngine CacheConfig: the labels of the sending vLLM release, synced from the engines' "
+    "ready responses, with the block sizes the engines really run with.",
+)
+# Per-engine figures, each named after the ``EngineFigures`` field it reports.
+ENGINE_GAUGES = (
+    Family("block_size", "KV-cache block size in tokens this engine runs with."),
+    Family("mamba_block_size", "Mamba block size in tokens this engine runs with (absent without Mamba layers)."),
+    Family(
+        "vllm_mamba_block_size",
+        "mamba_block_size as vLLM's own cache_config_info shows it for this engine (the engine core's report from "
+        "0.29, the configured value before); where it differs from cache_config_mamba_block_size, vLLM's is wrong.",
+    ),
+    Family("num_gpu_blocks", "GPU KV-cache blocks of this engine alone (the info metric shows the replica's total)."),
+    Family("max_model_len", "Longest sequence this engine accepts, in tokens."),
+    Family("kv_cache_size_tokens", "KV-cache capacity of this engine in tokens."),
+    Family("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
+    Family(
+        "hash_block_size",
+        "Tokens per prefix-cache block hash as this engine core resolved it (absent without its KV-cache groups).",
+    ),
+)
+UPDATED = Family(
+    "last_update_timestamp_seconds", "When this engine's last ready response was accepted, in Unix seconds."
+)
+DISTINCT = Family(
+    "distinct_values",
+    "Distinct values the engines of a replica report for a field; above 1 they disagree and the lowest "
+    "engine index wins.",
+)
+SOURCE = Family(
+    "mamba_block_size_source_info",
+    "Where an engine's true mamba_block_size came from: kv_cache_groups (the engine core's own KV-cache groups, "
+    "reported by the plugin) or sync_rule (a rule over the ready response, for pushes without groups).",
+)
+GROUP_INFO = Family(
+    "kv_cache_group_info",
+    "One KV-cache group of an engine core (layers sharing one block table), as the engine core holds it: kind, "
+    "spec class, block size in tokens, page size in bytes, sliding window or attention chunk, drafter's layers.",
+)
+# Per-group figures, labelled deployment, replica, engine, group and kind.
+GROUP_GAUGES = (
+    (Family("kv_cache_group_block_size", "Block size in tokens this KV-cache group of the engine runs with."),
+     lambda group: group.block_size),
+    (Family("kv_cache_group_layers", "Model layers in this KV-cache group."), lambda group: len(group.layers)),
+    (Family(
+        "kv_cache_group_blocks_per_request",
+        "Blocks one request of max_model_len takes from the engine's shared pool in this group, as the engine "
+        "computed it; cache_config_num_gpu_blocks over their sum is the engine's concurrency.",
+    ), lambda group: group.blocks_per_request),
+)  # fmt: skip
+PARALLEL = Family(
+    "data_parallel_size",
+    "Data-parallel size of a replica: the largest its engines report, and at least its highest engine index + 1 "
+    "(vLLM runs a dense model's ranks as independent engines that report 1).",
+)
+SEEN = Family("last_seen_timestamp_seconds", "When the replica's sender was last heard from, in Unix seconds.")
+HEARTBEAT = Family(
+    "heartbeat_interval_seconds",
+    "Seconds between the heartbeats the replica's sender promised; it expires after missing several of them. "
+    "Absent for one-off pushes, which never expire.",
+)
+# What every heartbeat changes: the last family, so the others' lines can be kept across heartbeats. The interval
+# comes with each heartbeat too but is the same each time: it sits with the config families, rendered when it changes.
+LIVENESS = (SEEN,)
+FAMILIES = (
+    INFO, *ENGINE_GAUGES, SOURCE, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED, DISTINCT, PARALLEL,
+    HEARTBEAT, *LIVENESS,
+)  # fmt: skip
+# Who a series belongs to: on every series, never chosen away (without them two engines' series would collide).
+IDENTITY = ("deployment", "replica", "engine")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+class LabelChoiceError(ValueError):
+    """A label list that cannot work; ``which`` is the list: ``allow``, ``deny`` or ``both``."""
+
+    def __init__(self, which: str, reason: str) -> None:
+        super().__init__(reason)
+        self.which = which
+
+
+@dataclass(frozen=True)
+class InfoLabels:
+    """Which of vLLM's labels ``cache_config_info`` carries (``--metric.labels-allowlist``/``-denylist``).
+
+    Hosted backends refuse series with many label names (Grafana Mimir and Cortex: more than 30 by default), and
+    ``cache_config_info`` has 39 in vLLM 0.34. ``allow`` None keeps every label; ``deny`` drops labels. The
+    identity labels are always kept; the numeric gauges are never affected.
+    """
+
+    allow: frozenset[str] | None = None
+    deny: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, allow: Collection[str], deny: Collection[str]) -> InfoLabels:
+        """From the two lists (empty: not given); raises ``LabelChoiceError`` naming what cannot work."""
+        if allow and deny:
+            raise LabelChoiceError("both", "the allowlist and the denylist exclude each other: give one")
+        for which, names in (("allow", allow), ("deny", deny)):
+            for name in names:
+                if not _LABEL_NAME.fullmatch(name):
+                    raise LabelChoiceError(which, f"{name!r} is not a label name")
+        kept = sorted(set(deny) & set(IDENTITY))
+        if kept:
+            raise LabelChoiceError("deny", f"{', '.join(kept)} identify each series and cannot be dropped")
+        return cls(frozenset(allow) - set(IDENTITY) if allow else None, frozenset(deny))
+
+    def keeps(self, name: str) -> bool:
+        return (self.allow is None or name in self.allow) and name not in self.deny
+
+    def select(self, labels: Mapping[str, str]) -> Labels:
+        """The labels kept, in the order of the sending vLLM release."""
+        return tuple((name, value) for name, value in labels.items() if self.keeps(name))
+
+    def unknown(self) -> list[str]:
+        """Names in the lists that no vLLM release of the table has: a typo, or a label of a newer vLLM."""
+        known = {label.name for release in releases() for label in release.cache_config.labels}
+        return sorted((self.allow or frozenset()) - known | self.deny - known)
+
+
+EVERY_LABEL = InfoLabels()
+
+
+def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> tuple[list[Sample], ...]:
+    """One replica's samples, a list per family of ``FAMILIES`` (in that order); ``cache_config_info`` carries the
+    labels ``info_labels`` keeps."""
+    samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
+    identity = replica_identity(replica)
+    (samples[SEEN],) = liveness_samples(replica)
+    if replica.heartbeat_seconds is not None:
+        samples[HEARTBEAT].append((identity, replica.heartbeat_seconds))
+    if replica.engines:
+        synced = replica.synced
+        info = info_labels.select(synced.labels)
+        for engine in sorted(replica.engines):
+            engine_identity = (*identity, ("engine", str(engine)))
+            samples[INFO].append(((*engine_identity, *info), 1.0))
+            figures = synced.engines[engine]
+            for family in ENGINE_GAUGES:
+                value = getattr(figures, family.suffix)
+                if value is not None:
+                    samples[family].append((engine_identity, value))
+            if figures.mamba_block_size_source is not None:
+                samples[SOURCE].append(((*engine_identity, ("source", figures.mamba_block_size_source)), 1.0))
+            if figures.kv_cache_groups is not None:
+                _group_samples(samples, engine_identity, figures.kv_cache_groups)
+            samples[UPDATED].append((engine_identity, replica.engines[engine].received_at))
+        for field, count in synced.distinct_values.items():
+            samples[DISTINCT].append(((*identity, ("field", field)), count))
+        if synced.data_parallel_size is not None:
+            samples[PARALLEL].append((identity, synced.data_parallel_size))
+    return tuple(samples[family] for family in FAMILIES)
+
+
+def replica_identity(replica: Replica) -> Labels:
+    """The labels of a replica's own series (an engine's add ``engine``)."""
+    return (("deployment", replica.deployment), ("replica", replica.name))
+
+
+def liveness_values(replica: Replica) -> tuple[float | None, ...]:
+    """All that a heartbeat changes: the value of each ``LIVENESS`` family's one sample, labelled
+    ``replica_identity``; ``None`` where the family has none."""
+    return (replica.last_seen,)
+
+
+def liveness_samples(replica: Replica) -> tuple[list[Sample], ...]:
+    """The samples of the ``LIVENESS`` families."""
+    identity = replica_identity(replica)
+    return tuple([(identity, value)] if value is not None else [] for value in liveness_values(replica))
+
+
+def _group_samples(samples: dict[Family, list[Sample]], engine_identity: Labels, groups: KVCacheGroups) -> None:
+    """An engine's KV-cache groups: an info sample and the figures of each, in the engine core's order."""
+    for index, group in enumerate(groups.groups):
+        identity = (*engine_identity, ("group", str(index)), ("kind", group.kind))
+        described = (
+            ("spec", group.spec),
+            ("block_size", str(group.block_size)),
+            ("page_size_bytes", str(group.page_size_bytes)),
+            ("sliding_window", str(group.sliding_window)),
+            ("attention_chunk_size", str(group.attention_chunk_size)),
+            ("draft", str(group.draft)),
+        )
+        samples[GROUP_INFO].append(((*identity, *described), 1.0))
+        for family, value_of in GROUP_GAUGES:
+            value = value_of(group)
+            if value is not None:
+                samples[family].append((identity, value))

@@ -1,0 +1,177 @@
+"""Fetching a target's ``/metrics`` for a probe: one bounded HTTP/1.1 GET, on the event loop.
+
+The exporter has no HTTP client dependency of its own; uvicorn's, h11 (a sans-I/O HTTP/1.1 parser), reads the
+response, over asyncio's streams. Everything a target controls is bounded: the response head (h11's limit),
+the body (``--probe.max-body-bytes``, checked against ``Content-Length`` before a byte of it is read), and the
+time (the caller's deadline covers resolving, connecting, TLS and reading). Redirects are not followed: they
+could lead outside the allowlist. TLS and credentials for protected ``/metrics`` come from the settings; the
+secrets from files, read again when they change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h11
+
+from exporter import __version__
+from exporter.config.allowlist import Target
+from exporter.config.option import SettingsError, read_secret
+from exporter.config.settings import Settings, flag_of
+from exporter.security.watched_files import Watched
+from protocol import tokens
+
+# The response line and headers of a target; vLLM's are a few hundred bytes.
+MAX_HEAD_BYTES = 16 << 10
+_READ_BYTES = 64 << 10
+# Prometheus text, as Prometheus itself asks for it; never compressed, so the body cap is what is read.
+_ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+_MAX_BODY_FLAG = flag_of("probe_max_body_bytes")
+
+
+class ProbeFailed(Exception):
+    """The probe cannot show the target's cache config; ``result`` says why in one word (a label value)."""
+
+    def __init__(self, result: str, detail: str) -> None:
+        super().__init__(detail)
+        self.result = result
+        self.detail = detail
+
+
+def _authorization(settings: Settings) -> Watched[str] | None:
+    """The ``Authorization`` header value, from the secret file of the settings; ``None`` without one."""
+    if settings.probe_bearer_token_file is not None:
+        flag, path = flag_of("probe_bearer_token_file"), settings.probe_bearer_token_file
+
+        def load() -> tuple[str, tuple[Path, ...]]:
+            try:
+                return tokens.bearer(read_secret(flag, path)), (path,)
+            except tokens.TokenError as error:
+                raise SettingsError(f"{flag} {path}: {error}") from None
+
+    elif settings.probe_basic_auth_password_file is not None:
+        flag, path = flag_of("probe_basic_auth_password_file"), settings.probe_basic_auth_password_file
+
+        def load() -> tuple[str, tuple[Path, ...]]:
+            pair = f"{settings.probe_basic_auth_username}:{read_secret(flag, path)}".encode()
+            return f"Basic {base64.b64encode(pair).decode()}", (path,)
+
+    else:
+        return None
+    return Watched(f"{flag} {path}", load)
+
+
+def _tls_context(settings: Settings) -> ssl.SSLContext:
+    """The system's trust store, or ``--probe.tls-ca-file``; verification off only when asked for."""
+    flag = flag_of("probe_tls_ca_file")
+    try:
+        context = ssl.create_default_context(cafile=settings.probe_tls_ca_file)
+    except (OSError, ssl.SSLError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise SettingsError(f"{flag} {settings.probe_tls_ca_file}: {reason}") from None
+    if settings.probe_tls_insecure_skip_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+@dataclass(frozen=True)
+class MetricsClient:
+    """How the probe reads targets: scheme, TLS, credentials and the body cap, from the settings."""
+
+    max_body_bytes: int
+    tls: ssl.SSLContext | None
+    server_name: str | None
+    authorization: Watched[str] | None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> MetricsClient:
+        """Reads the CA and secret files now: a wrong one stops start-up (``SettingsError``)."""
+        return cls(
+            max_body_bytes=settings.probe_max_body_bytes,
+            tls=_tls_context(settings) if settings.probe_scheme == "https" else None,
+            server_name=settings.probe_tls_server_name or None,
+            authorization=_authorization(settings),
+        )
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    async def fetch(self, target: Target, addresses: list[str], log: Callable[[str], None]) -> bytes:
+        """The body of ``GET /metrics`` from the first of ``addresses`` that takes the connection."""
+        streams = None
+        for address in addresses:
+            try:
+                streams = await asyncio.open_connection(
+                    address,
+                    target.port,
+                    ssl=self.tls,
+                    server_hostname=(self.server_name or target.host) if self.tls else None,
+                    limit=_READ_BYTES,
+                )
+                log(f"connected to {address} port {target.port}")
+                break
+            except ssl.SSLError as error:
+                raise ProbeFailed("unreachable", f"TLS with {address} failed: {error}") from None
+            except OSError as error:
+                log(f"cannot connect to {address} port {target.port}: {error.strerror or error}")
+        if streams is None:
+            raise ProbeFailed("unreachable", f"no address of {target.text} takes a connection")
+        reader, writer = streams
+        connection = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        try:
+            writer.write(connection.send(self._request(target)) + (connection.send(h11.EndOfMessage()) or b""))
+            return await self._body(connection, reader)
+        except (h11.RemoteProtocolError, h11.LocalProtocolError) as error:
+            raise ProbeFailed("unreachable", f"the answer broke off or is no HTTP/1.1: {error}") from None
+        except OSError as error:
+            raise ProbeFailed("unreachable", f"the connection failed: {error.strerror or error}") from None
+        finally:
+            writer.transport.abort()  # no waiting for a TLS close_notify from a target that may never send it
+
+    def _request(self, target: Target) -> h11.Request:
+        headers = [
+            ("Host", target.normalized),
+            ("User-Agent", f"cache-config-exporter/{__version__}"),
+            ("Accept", _ACCEPT),
+            ("Accept-Encoding", "identity"),
+            ("Connection", "close"),
+        ]
+        if self.authorization is not None:
+            headers.append(("Authorization", self.authorization.current()))
+        return h11.Request(method="GET", target="/metrics", headers=headers)
+
+    async def _body(self, connection: h11.Connection, reader: asyncio.StreamReader) -> bytes:
+        """Read a 200 response's body, within the cap; anything else is a ``ProbeFailed`` (informational
+        responses are skipped)."""
+        body = bytearray()
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await reader.read(_READ_BYTES))
+            elif isinstance(event, h11.Response):
+                self._check_head(event)
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > self.max_body_bytes:
+                    raise ProbeFailed("too_large", f"the body passed {_MAX_BODY_FLAG} ({self.max_body_bytes})")
+            elif isinstance(event, h11.EndOfMessage):  # h11 raises for a connection closed before it
+                return bytes(body)
+
+    def _check_head(self, response: h11.Response) -> None:
+        if response.status_code != 200:
+            reason = response.reason.decode("latin-1", "replace")[:100]
+            raise ProbeFailed("http_status", f"the target answered HTTP {response.status_code} {reason}".rstrip())
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise ProbeFailed("not_vllm", f"the body is {encoding}-encoded though identity was asked for")
+        length = headers.get("content-length")
+        if length is not None and int(length) > self.max_body_bytes:
+            raise ProbeFailed("too_large", f"Content-Length {length} is over {_MAX_BODY_FLAG} ({self.max_body_bytes})")

@@ -1,0 +1,302 @@
+"""Zero-install mode: ``/probe?target=HOST:PORT`` reads a stock vLLM server's ``/metrics`` and answers the true
+cache config of that server, as Prometheus' multi-target exporters (blackbox_exporter, snmp_exporter) do.
+
+vLLM shows, per engine, ``vllm:cache_config_info`` with its frontend's ``CacheConfig.metrics_info()`` labels.
+Those labels name no release, but their set tells it: each release's set is in the release table
+(``protocol/releases.py``). The figures that release's frontend copies from its engines' ready responses
+(``applied_fields``: ``block_size``, ``num_gpu_blocks``, ``mamba_block_size``, ...) become one
+``EngineCoreReadyResponse`` per engine; with the labels as the replica's static labels, the push path's own
+sync (``protocol/sync.py``) and series (``exposition/series.py``, rendered by ``exposition/rendering.py``) make
+the answer: the true ``mamba_block_size``, by the sync rule (``source="sync_rule"``), since the probe cannot
+see the engine core's KV-cache groups. Families vLLM's ``/metrics`` gives nothing for (``max_model_len``) or
+that describe pushes (report times, disagreeing engines) are left out, and so are per-engine figures where
+vLLM shows only the server's (``num_gpu_blocks`` is summed over the engines, ``kv_cache_*`` are one engine's).
+
+Stateless: nothing is stored. Every probe answers 200 with ``cache_config_probe_success`` and
+``cache_config_probe_duration_seconds``; a target that cannot be read is ``success 0`` and a log line saying
+why (``?debug=true`` answers the probe's whole log). ``cache_config_exporter_probes_total{result}`` counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter as Counts
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from exporter.config.allowlist import AllowList, Target
+from exporter.config.settings import Settings, flag_of
+from exporter.exposition.formats import TEXT, negotiate
+from exporter.exposition.lines import ReplicaLines
+from exporter.exposition.series import FAMILIES
+from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.probe.client import MetricsClient, ProbeFailed
+from exporter.state.replicas import Replica, build_replica, engine_report
+from protocol import EngineCoreReadyResponse, InvalidPayload, Release, releases
+from protocol.labels import check_labels
+from protocol.names import DEFAULT_DEPLOYMENT, deployment_of_model
+from protocol.ready_response import JSON
+
+SUCCESS = "success"
+# Every result of a probe: success, or why it failed.
+RESULTS = (SUCCESS, "unreachable", "timeout", "too_large", "http_status", "not_vllm", "unknown_release", "invalid")
+INFO = "vllm:cache_config_info"
+# Taken off Prometheus' scrape timeout, so that the answer arrives before Prometheus gives up (blackbox_exporter's
+# --timeout-offset); at most half of a short timeout goes.
+TIMEOUT_MARGIN_SECONDS = 0.5
+# Families the probe does not publish: vLLM's /metrics shows no max_model_len, and the others describe pushes.
+_NOT_SHOWN = frozenset(
+    {"max_model_len", "last_update_timestamp_seconds", "last_seen_timestamp_seconds", "distinct_values"}
+)
+# vLLM's frontend shows these per server (num_gpu_blocks summed, kv_cache_* the first engine's): per engine, the
+# probe knows them only for a server of one engine.
+_SERVER_FIGURES = frozenset({"num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency"})
+# A ready response needs a max_model_len; vLLM's /metrics has none, and its family is not published.
+_UNSHOWN_MAX_MODEL_LEN = 1
+_log = logging.getLogger("cache_config_exporter")
+
+
+@dataclass
+class ProbeLog:
+    """What one probe did, line by line, with the seconds since it began (``?debug=true`` answers it)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    lines: list[str] = field(default_factory=list)
+
+    def __call__(self, message: str) -> None:
+        self.lines.append(f"{time.perf_counter() - self.started:.3f}s {message}")
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def release_of_labels(names: frozenset[str]) -> tuple[Release, str]:
+    """The release whose ``metrics_info()`` labels these are, and how it was told (for the log).
+
+    The newest release with exactly these labels; else the newest whose labels are all among them (a later
+    build that added labels); else ``ProbeFailed`` naming the labels the nearest release has and these lack.
+    """
+    known = releases()
+    exact = [release for release in known if frozenset(release.default_labels()) == names]
+    if exact:
+        versions = exact[0].version if len(exact) == 1 else f"{exact[0].version} to {exact[-1].version}"
+        return exact[-1], f"the labels of vLLM {versions}"
+    covered = [release for release in known if frozenset(release.default_labels()) <= names]
+    if covered:
+        extra = sorted(names - frozenset(covered[-1].default_labels()))
+        return covered[-1], f"the labels of vLLM {covered[-1].version} and {', '.join(extra)}: a later build"
+    nearest = min(known, key=lambda release: (len(names ^ frozenset(release.default_labels())), release.key[::-1]))
+    missing = sorted(frozenset(nearest.default_labels()) - names)
+    raise ProbeFailed(
+        "unknown_release",
+        f"{INFO} has the labels of no vLLM release the exporter knows: the nearest, {nearest.version}, "
+        f"also has {', '.join(missing)}",
+    )
+
+
+def _parse(text: str) -> tuple[dict[int, Counts[tuple[tuple[str, str], ...]]], set[str]]:
+    """Each engine's ``vllm:cache_config_info`` label sets (with how often each appears), and the model names."""
+    engines: dict[int, Counts[tuple[tuple[str, str], ...]]] = {}
+    models: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if "model_name" in sample.labels and sample.name.startswith("vllm:"):
+                    models.add(sample.labels["model_name"])
+                if sample.name != INFO:
+                    continue
+                engine = sample.labels.get("engine", "")
+                if not engine.isdigit() or len(engine) > 5:
+                    raise ProbeFailed("invalid", f"{INFO} has engine={engine[:20]!r}, not an engine index")
+                labels = tuple(sorted((name, value) for name, value in sample.labels.items() if name != "engine"))
+                engines.setdefault(int(engine), Counts())[labels] += 1
+    except ValueError as error:
+        raise ProbeFailed("not_vllm", f"the body is no Prometheus text exposition: {str(error)[:200]}") from None
+    return engines, models
+
+
+def read_vllm(
+    text: str,
+    target: Target,
+    deployment: str | None,
+    base_labels: Mapping[str, str],
+    max_engines: int,
+    log: ProbeLog,
+) -> Replica:
+    """The replica a vLLM server's ``/metrics`` shows, synced as a push of the same figures would be."""
+    shown, models = _parse(text)
+    if not shown:
+        raise ProbeFailed("not_vllm", f"no {INFO} series: not a vLLM server, or one whose engines are not up yet")
+    if len(shown) > max_engines:
+        limit = flag_of("max_engines_per_deployment")
+        raise ProbeFailed("invalid", f"{len(shown)} engines, more than {limit} allows ({max_engines})")
+    if deployment is None:
+        # Named as the plugin names the same server: a model served by path after its folder.
+        deployment = deployment_of_model(min(models)) if models else DEFAULT_DEPLOYMENT
+        if len(models) > 1:
+            log(f"several model_name values ({', '.join(sorted(models))}); the deployment is {deployment!r}")
+    label_sets = {engine: sets.most_common(1)[0][0] for engine, sets in shown.items()}
+    for engine, sets in sorted(shown.items()):
+        if len(sets) > 1:
+            log(f"engine {engine} shows {len(sets)} different {INFO} label sets (several API servers?); the most "
+                f"frequent is taken")  # fmt: skip
+    lead = min(label_sets)
+    static = dict(label_sets[lead])
+    if any(label_sets[engine] != label_sets[lead] for engine in label_sets):
+        log(f"the engines' {INFO} labels differ; engine {lead}'s are taken, as vLLM's frontend holds one config")
+    release, how = release_of_labels(frozenset(static))
+    log(f"{len(label_sets)} engine(s) {sorted(label_sets)}; {how}")
+    try:
+        check_labels(static)
+        figures = {
+            name: None if static[name] == "None" else static[name] for name in release.applied_fields if name in static
+        }
+        response = msgspec.convert(
+            {**figures, "max_model_len": _UNSHOWN_MAX_MODEL_LEN, "vllm_version": release.version},
+            EngineCoreReadyResponse,
+            strict=False,
+        )
+    except (InvalidPayload, msgspec.ValidationError) as error:
+        invalid = error if isinstance(error, InvalidPayload) else InvalidPayload.from_msgspec(error)
+        raise ProbeFailed("invalid", f"label {invalid.field.removeprefix('$.')}: {invalid.reason}") from None
+    # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
+    count = len(label_sets)
+    now = time.time()
+    responses = {
+        engine: msgspec.structs.replace(
+            response, num_gpu_blocks=response.num_gpu_blocks // count + (rank < response.num_gpu_blocks % count)
+        )
+        for rank, engine in enumerate(sorted(label_sets))
+    }
+    engines = {engine: engine_report(engine, now, b"", JSON) for engine in responses}
+    return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One probe's answer: the cache-config series (empty when it failed), its result, time and log."""
+
+    result: str
+    seconds: float
+    series: bytes
+    log: list[str]
+
+    @property
+    def success(self) -> bool:
+        return self.result == SUCCESS
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        """The answer in the negotiated format (the series' lines are the same in both), and its content type."""
+        served = negotiate(accept)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_ProbeMetrics(self))
+        return self.series + served.render(registry), served.content_type
+
+    def debug_text(self) -> str:
+        """The probe's log and the text exposition it would have answered, as blackbox_exporter's ``debug=true``."""
+        metrics = self.exposition(f"{TEXT.media_range}; version={TEXT.version}")[0].decode()
+        log = "\n".join(self.log)
+        return f"Logs for the probe:\n{log}\n\n\nMetrics that would have been returned:\n{metrics}"
+
+
+class _ProbeMetrics(Collector):
+    """blackbox_exporter's probe_success and probe_duration_seconds, under the exporter's names."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        self._outcome = outcome
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "cache_config_probe_success",
+            "1 when the probe read the target's vLLM cache config, 0 when not (the exporter's log says why).",
+            value=float(self._outcome.success),
+        )
+        yield GaugeMetricFamily(
+            "cache_config_probe_duration_seconds",
+            "Seconds the probe took: resolving, connecting, reading and syncing.",
+            value=self._outcome.seconds,
+        )
+
+
+class Prober:
+    """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
+
+    def __init__(self, settings: Settings, base_labels: Mapping[str, str], registry: CollectorRegistry) -> None:
+        self.allowlist = AllowList.parse(settings.probe_allowed_targets)
+        self.client = MetricsClient.from_settings(settings)
+        self.max_seconds = settings.probe_timeout_seconds
+        self.max_engines = settings.max_engines_per_deployment
+        self.prefix = settings.metric_prefix
+        self.info_labels = settings.info_labels()
+        self.base_labels = dict(base_labels)
+        shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
+        self.results = Counter(
+            "cache_config_exporter_probes",
+            "Probes of /probe, by result: success, or why the target's cache config could not be read.",
+            ["result"],
+            registry=None if shared else registry,
+        )
+        for result in RESULTS:
+            self.results.labels(result)
+
+    def timeout(self, scrape_timeout: float | None) -> float:
+        """Seconds a probe may take: Prometheus' scrape timeout less the margin, at most ``--probe.timeout``."""
+        if scrape_timeout is None:
+            return self.max_seconds
+        return min(self.max_seconds, max(scrape_timeout - TIMEOUT_MARGIN_SECONDS, scrape_timeout / 2))
+
+    async def probe(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
+        """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it."""
+        log = ProbeLog()
+        log(f"probing {self.client.scheme}://{target.text}/metrics, timeout {timeout:g} s")
+        series, result = b"", SUCCESS
+        try:
+            async with asyncio.timeout(timeout):
+                try:
+                    addresses = await self.allowlist.addresses(target)
+                except OSError as error:
+                    reason = error.strerror or error
+                    raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
+                body = await self.client.fetch(target, addresses, log)
+                log(f"read {len(body)} bytes")
+                text = body.decode("utf-8", "replace")
+                replica = await asyncio.to_thread(
+                    read_vllm, text, target, deployment, self.base_labels, self.max_engines, log
+                )
+            series = self._series(replica)
+            labels = replica.synced.labels
+            log(f"deployment {replica.deployment!r}: block_size {labels.get('block_size')}, "
+                f"mamba_block_size {labels.get('mamba_block_size')}")  # fmt: skip
+        except ProbeFailed as failure:
+            result = failure.result
+            log(failure.detail)
+        except TimeoutError:
+            result = "timeout"
+            log(f"no complete answer within {timeout:g} s")
+        outcome = Outcome(result, log.seconds, series, list(log.lines))
+        self.results.labels(result).inc()
+        if outcome.success:
+            _log.debug("probe of %s succeeded in %.3f s", target.text, outcome.seconds)
+        else:
+            _log.info("probe of %s failed (%s) in %.3f s: %s", target.text, result, outcome.seconds, log.lines[-1])
+        return outcome
+
+    def _series(self, replica: Replica) -> bytes:
+        """The replica's cache-config lines as ``/metrics`` renders them, without the families the probe cannot know."""
+        lines = ReplicaLines(self.prefix, self.info_labels)
+        left_out = _NOT_SHOWN | (_SERVER_FIGURES if len(replica.engines) > 1 else frozenset())
+        return b"".join(
+            header + rendered
+            for family, header, rendered in zip(FAMILIES, lines.headers, lines.of(replica), strict=True)
+            if rendered and family.suffix not in left_out
+        )

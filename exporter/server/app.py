@@ -1,0 +1,171 @@
+"""The app factory: one request flows HTTP -> protocol decode -> sync -> store -> exposition -> /metrics.
+
+``create_app`` wires one exporter's parts (store, state, credentials, telemetry,
+exposition) and its routes (``exporter/server/routes.py``). Refusals from any layer are
+answered here, through ``exporter/server/problems.py``'s table, and counted when they
+refuse a ready response.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from starlette.concurrency import run_in_threadpool
+from starlette.convertors import PathConvertor, register_url_convertor
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Scope
+
+from exporter import __version__
+from exporter.config.settings import Settings
+from exporter.errors import Refused, StorageUnavailable
+from exporter.exposition.lines import ReplicaLines
+from exporter.exposition.listing import DeploymentListing
+from exporter.exposition.rendering import Exposition
+from exporter.exposition.telemetry import Telemetry
+from exporter.exposition.views import encode_view
+from exporter.probe.prober import Prober
+from exporter.security.auth import Credentials
+from exporter.security.web_config import ResponseHeaders, response_headers
+from exporter.server.gc_freeze import freeze_survivors
+from exporter.server.openapi import Endpoint, openapi_document
+from exporter.server.pages import StatusPage
+from exporter.server.problems import Problem, problem_for, problem_response
+from exporter.server.quick_heartbeats import QuickHeartbeats
+from exporter.server.request_guard import RequestGuard
+from exporter.server.routes import (
+    ENDPOINTS,
+    EXPOSITION_MEDIA_TYPES,
+    Exporter,
+    get_metrics,
+    hear_heartbeat,
+    is_ingest,
+    post_heartbeat,
+)
+from exporter.state.exporter_state import ExporterState
+from exporter.state.replicas import Replica
+from exporter.state.storage import SqliteStore
+from protocol import InvalidPayload
+
+
+class _AnyTextConvertor(PathConvertor):
+    """Starlette's ``path`` convertor, but matching newlines too, so that such a name gets a 422, not a 404."""
+
+    regex = "(?s:.+)"
+
+
+register_url_convertor("name", _AnyTextConvertor())
+
+
+# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it (7 % of a heartbeat's CPU here); the
+# exporter has its own metrics and no tracing.
+_WITHOUT_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
+def _guarded(app: FastAPI, settings: Settings, credentials: Credentials, telemetry: Telemetry) -> frozenset[str] | None:
+    """Every refusal answered through the one table (and counted, for ingest), the request guard at the door and
+    the web config's headers on every answer; returns the Host names served besides loopback ones."""
+
+    def answer(scope: Scope, request: Request, problem: Problem) -> Response:
+        if is_ingest(scope) and problem.reason != "http":
+            telemetry.reject(problem.reason)
+        return problem_response(request, problem)
+
+    async def refuse(request: Request, error: Exception) -> Response:
+        return answer(request.scope, request, error if isinstance(error, Problem) else problem_for(error))
+
+    for kind in (Problem, Refused, InvalidPayload, StorageUnavailable, HTTPException):
+        app.add_exception_handler(kind, refuse)
+    allowed_hosts = None if settings.allowed_hosts is None else frozenset(settings.allowed_hosts)
+    app.add_middleware(
+        RequestGuard,
+        max_bytes=settings.max_request_bytes,
+        read_timeout=settings.read_timeout_seconds,
+        allowed_hosts=allowed_hosts,
+        answer=lambda scope, problem: answer(scope, Request(scope), problem),
+    )
+    app.add_middleware(ResponseHeaders, web_config=credentials.web_config)
+    return allowed_hosts
+
+
+def create_app(
+    settings: Settings,
+    registry: CollectorRegistry | None = None,
+    clock: Callable[[], float] = time.time,
+) -> FastAPI:
+    """Build the exporter app with its own store, state, credentials and metrics registry."""
+    registry = registry if registry is not None else CollectorRegistry()
+    credentials = Credentials.from_settings(settings)
+    store = SqliteStore(settings.storage_path)
+    lines = ReplicaLines(settings.metric_prefix, settings.info_labels())
+
+    def storage_healthy() -> bool:
+        return state.storage_error is None
+
+    def measure(replica: Replica) -> int:
+        """What ``--limits.bytes`` bounds: a replica's bytes in the exposition, and of its ready responses as
+        received (what the store holds) and as shown in JSON (what the listing holds)."""
+        kept = sum(len(report.payload) + report.shown_bytes for report in replica.engines.values())
+        return lines.size(replica) + kept
+
+    telemetry = Telemetry(registry, storage_healthy)
+    base_labels = settings.base_labels()
+    state = ExporterState(
+        store, base_labels, clock, settings.limits(), settings.missed_heartbeats, measure, telemetry.committed,
+        shared_store=settings.workers > 1, render_ahead=lines.render_ahead,
+    )  # fmt: skip
+    registry.register(credentials)  # the reload state of the access files
+    exposition = Exposition(state, lines, registry, telemetry)
+    listing = DeploymentListing(state, encode_view)
+    prober = Prober(settings, base_labels, registry)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(state.close)
+        store.close()
+
+    # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
+    app = FastAPI(
+        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+        **_WITHOUT_TELEMETRY,
+    )  # fmt: skip
+    metrics = Endpoint(settings.telemetry_path, ("GET",), get_metrics, answers=EXPOSITION_MEDIA_TYPES)
+    document = openapi_document(app.title, app.version, (*ENDPOINTS, metrics))
+    app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+    status = StatusPage(state, settings.telemetry_path, clock)
+    app.state.exporter = Exporter(
+        state, credentials, telemetry, exposition, listing, status, settings.telemetry_path, clock,
+        settings.workers > 1, prober,
+    )  # fmt: skip
+    for endpoint in ENDPOINTS:
+        app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
+    app.add_route(settings.telemetry_path, get_metrics, ["GET"], include_in_schema=False)
+
+    allowed_hosts = _guarded(app, settings, credentials, telemetry)
+    # With a shared store a heartbeat is a commit, which only the app awaits.
+    app.state.quick_heartbeats = (
+        QuickHeartbeats(
+            app, post_heartbeat, hear_heartbeat, allowed_hosts, lambda: response_headers(credentials.web_config)
+        )
+        if settings.workers == 1
+        else None
+    )
+    return app
+
+
+def create_app_from_environment() -> FastAPI:
+    """The app of one worker process of ``serve --web.workers N``: settings come from the parent."""
+    freeze_survivors()
+    return create_app(Settings.from_environment())

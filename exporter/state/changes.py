@@ -1,0 +1,419 @@
+"""The exporter's rules for changing its state: what each request does to the replicas, and expiry.
+
+Each rule is a function of a ``Batch`` (exporter/state/writer.py) run by the writer
+thread: it checks the limits, builds the new replica (the sync may refuse it)
+and stages the writes that store it, or refuses with nothing staged. They take
+the clocks from ``Rules``, so tests drive them on a batch with fake clocks.
+
+Replicas that promised heartbeats expire after missing ``missed_heartbeats``
+of them, counted on the monotonic clock (``Replica.seen``): a step of the wall
+clock neither expires a live replica nor keeps a silent one. Wall time
+(``last_seen``, shown and stored) counts only across a restart, and there a
+replica gets a full expiry period from start-up anyway (see ``seen_at_load``).
+The others stay until deleted.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+
+from exporter.errors import LimitExceeded, Refused, UnknownReplica
+from exporter.state.limits import ByteBudget, Limits
+from exporter.state.replicas import Replica, ReplicaKey, build_replica, engine_report, stored_engine, stored_replica
+from exporter.state.storage import Store, StoredEngine
+from exporter.state.writer import Batch
+from protocol import EngineCoreReadyResponse, InvalidPayload, check_agreement, is_set
+
+log = logging.getLogger("cache_config_exporter.state")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the change functions need besides the batch: the labels, the limits, the clocks."""
+
+    base_labels: Mapping[str, str]
+    limits: Limits = field(default_factory=Limits)
+    # Unix seconds: what ``last_seen`` and ``received_at`` show.
+    wall: Callable[[], float] = time.time
+    # This process's monotonic seconds: what expiry counts on.
+    monotonic: Callable[[], float] = time.monotonic
+    budget: ByteBudget | None = None
+    missed_heartbeats: int = 3
+    # Several processes share the store: each one's expiry reads the others' heartbeats from it, so a heartbeat
+    # is committed like any change rather than kept in memory until a checkpoint.
+    store_heartbeats: bool = False
+
+
+class EngineReady(NamedTuple):
+    """One engine's ready response as received: decoded, and its bytes with their wire format."""
+
+    engine: int
+    response: EngineCoreReadyResponse
+    payload: bytes
+    wire_format: str
+
+
+@dataclass(frozen=True)
+class ReadyOutcome:
+    """What ``ready`` did: the replica as committed (``None`` when every engine was refused and there was no
+    replica before), and each refused engine's reason (``SyncConflict``, ``InvalidPayload``, ``LimitExceeded``)."""
+
+    replica: Replica | None
+    refused: Mapping[int, Exception]
+
+
+def _promised(current: Replica | None, heartbeat_seconds: float | None) -> float | None:
+    """The heartbeat interval a change promises, else the one the replica promised before."""
+    if heartbeat_seconds is not None or current is None:
+        return heartbeat_seconds
+    return current.heartbeat_seconds
+
+
+def _save(replica: Replica) -> Callable[[Store], None]:
+    stored = stored_replica(replica)
+    return lambda store: store.save_replica(stored)
+
+
+def _remove(key: ReplicaKey) -> Callable[[Store], None]:
+    return lambda store: store.delete_replica(*key)
+
+
+def _measured(rules: Rules, batch: Batch, key: ReplicaKey, updated: Replica) -> int | None:
+    """What ``updated`` takes, refused past the byte budget; ``None`` without a budget."""
+    return rules.budget.check(batch, key, updated) if rules.budget is not None else None
+
+
+def _existing_or_room(rules: Rules, batch: Batch, key: ReplicaKey) -> Replica | None:
+    """The replica, or ``None`` for a new one once the caps leave room for it."""
+    current = batch.get(key)
+    if current is None:
+        rules.limits.check_new_replica(batch, key)
+    return current
+
+
+def ready(
+    rules: Rules, batch: Batch, key: ReplicaKey, reports: Sequence[EngineReady], heartbeat_seconds: float | None
+) -> ReadyOutcome:
+    """Take engines' ready responses, each checked alone, the accepted ones staged together.
+
+    As if each were taken in turn: a new ``instance_id`` drops the replica's previous run's engines (and no
+    other replica's), a later response of an engine replaces an earlier one. A refused response changes
+    nothing and the next ones go on from the last accepted state. The byte budget is checked on the replica
+    as it would be committed (one measure, however many engines came); only when that is past the budget are
+    the responses measured one by one, to refuse those that take it there.
+    """
+    taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=False)
+    if taken.accepted and rules.budget is not None:
+        try:
+            taken.size = _measured(rules, batch, key, taken.updated)
+        except LimitExceeded:
+            taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=True)
+    if taken.accepted:
+        batch.stage(key, taken.updated, _save(taken.updated), *taken.writes, size=taken.size)
+        batch.counts["accepted"] += taken.accepted
+    return ReadyOutcome(taken.updated, taken.refused)
+
+
+@dataclass
+class _Taken:
+    """What a run over the responses took: the replica after the accepted ones, their writes and refusals."""
+
+    updated: Replica | None
+    size: int | None = None
+    writes: list[Callable[[Store], None]] = field(default_factory=list)
+    accepted: int = 0
+    refused: dict[int, Exception] = field(default_factory=dict)
+
+
+def _take(
+    rules: Rules,
+    batch: Batch,
+    key: ReplicaKey,
+    reports: Sequence[EngineReady],
+    heartbeat_seconds: float | None,
+    measure_each: bool,
+) -> _Taken:
+    if not measure_each:
+        together = _take_together(rules, batch, key, reports, heartbeat_seconds)
+        if together is not None:
+            return together
+    taken = _Taken(batch.get(key))
+    for report in reports:
+        try:
+            base = _existing_or_room(rules, batch, key) if taken.updated is None else taken.updated
+            candidate, restarted = _with_engine(rules, key, base, report, heartbeat_seconds)
+            size = _measured(rules, batch, key, candidate) if measure_each else None
+        except (Refused, InvalidPayload) as error:
+            taken.refused[report.engine] = error
+            continue
+        taken.updated, taken.size, taken.accepted = candidate, size, taken.accepted + 1
+        taken.refused.pop(report.engine, None)
+        if restarted:
+            taken.writes.append(functools.partial(_delete_engines, key))
+        taken.writes.append(
+            functools.partial(_save_engine, key, report.engine, stored_engine(candidate.engines[report.engine]))
+        )
+    return taken
+
+
+def _take_together(
+    rules: Rules, batch: Batch, key: ReplicaKey, reports: Sequence[EngineReady], heartbeat_seconds: float | None
+) -> _Taken | None:
+    """The responses taken with one sync, of the replica they make at the end; ``None`` when they must be taken
+    one by one.
+
+    Taken in turn, each response makes a set of engines that the sync checks; what the sync refuses is engines that
+    disagree (``check_agreement``). So each set on the way is checked for that alone, and the replica is synced once.
+    Any refusal, or a restart after the first response (it drops engines taken before it), is left to the turn by
+    turn way, which names the response refused and stages the writes in their order.
+    """
+    current = batch.get(key)
+    engines = dict(current.engines) if current else {}
+    instance_id = current.instance_id if current else None
+    restarted = False
+    now = rules.wall()
+    try:
+        if current is None:
+            rules.limits.check_new_replica(batch, key)
+        responses: dict[int, EngineCoreReadyResponse] | None = None
+        for report in reports:
+            response = report.response
+            if is_set(response.instance_id) and response.instance_id != instance_id:
+                if report is not reports[0]:
+                    return None
+                restarted, instance_id = bool(engines), response.instance_id
+                engines.clear()
+            if responses is None:  # the engines kept from before, decoded once
+                responses = {engine: kept.response() for engine, kept in engines.items()}
+            if report.engine not in engines:
+                rules.limits.check_new_engine(key, len(engines))
+            engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
+            responses[report.engine] = response
+            check_agreement(list(responses.values()))
+        static_labels = current.static_labels if current else {}
+        updated = build_replica(
+            key, instance_id, static_labels, _promised(current, heartbeat_seconds), now, engines, rules.base_labels,
+            seen=rules.monotonic(), responses=responses,
+        )  # fmt: skip
+    except (Refused, InvalidPayload):
+        return None
+    writes: list[Callable[[Store], None]] = [functools.partial(_delete_engines, key)] if restarted else []
+    writes.extend(
+        functools.partial(_save_engine, key, report.engine, stored_engine(updated.engines[report.engine]))
+        for report in reports
+    )
+    return _Taken(updated, writes=writes, accepted=len(reports))
+
+
+def _delete_engines(key: ReplicaKey, store: Store) -> None:
+    store.delete_engines(*key)
+
+
+def _save_engine(key: ReplicaKey, engine: int, stored: StoredEngine, store: Store) -> None:
+    store.save_engine(*key, engine, stored)
+
+
+def _with_engine(
+    rules: Rules, key: ReplicaKey, current: Replica | None, report: EngineReady, heartbeat_seconds: float | None
+) -> tuple[Replica, bool]:
+    """The replica with one more engine response, and whether it restarted (a new ``instance_id``)."""
+    engines = dict(current.engines) if current else {}
+    instance_id = current.instance_id if current else None
+    response = report.response
+    restarted = is_set(response.instance_id) and response.instance_id != instance_id
+    if restarted:
+        engines.clear()
+        instance_id = response.instance_id
+    if report.engine not in engines:
+        rules.limits.check_new_engine(key, len(engines))
+    now = rules.wall()
+    engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
+    static_labels = current.static_labels if current else {}
+    heartbeat = _promised(current, heartbeat_seconds)
+    replica = build_replica(
+        key, instance_id, static_labels, heartbeat, now, engines, rules.base_labels, seen=rules.monotonic()
+    )
+    return replica, restarted and current is not None and bool(current.engines)
+
+
+def static_labels(
+    rules: Rules, batch: Batch, key: ReplicaKey, labels: Mapping[str, str], heartbeat_seconds: float | None
+) -> Replica:
+    """Replace a replica's static labels (its frontend's ``metrics_info()``), creating it if needed."""
+    current = _existing_or_room(rules, batch, key)
+    updated = build_replica(
+        key,
+        current.instance_id if current else None,
+        dict(labels),
+        _promised(current, heartbeat_seconds),
+        rules.wall(),
+        current.engines if current else {},
+        rules.base_labels,
+        seen=rules.monotonic(),
+    )
+    batch.stage(key, updated, _save(updated), size=_measured(rules, batch, key, updated))
+    return updated
+
+
+def heartbeat(rules: Rules, batch: Batch, key: ReplicaKey, heartbeat_seconds: float) -> Replica:
+    """The replica is alive and promises the next heartbeat within ``heartbeat_seconds``.
+
+    Raises ``UnknownReplica`` when the exporter does not hold it (a new or restarted exporter): the sender then
+    sends its whole state again. Only "last seen" and the promise change: kept in memory until the writer's
+    next checkpoint, unless the store is shared (``Rules.store_heartbeats``). In a single process heartbeats
+    take the quicker way of ``Liveness.hear`` instead.
+    """
+    current = batch.get(key)
+    if current is None:
+        raise unknown_replica(key)
+    updated = _alive(current, heartbeat_seconds, rules.wall(), rules.monotonic())
+    if rules.store_heartbeats:
+        batch.stage(key, updated, _save(updated))
+    else:
+        batch.touch(key, updated)
+    return updated
+
+
+def unknown_replica(key: ReplicaKey) -> UnknownReplica:
+    return UnknownReplica("replica", f"no replica {key[1]!r} of {key[0]!r}: send its state")
+
+
+def _alive(replica: Replica, heartbeat_seconds: float, wall: float, monotonic: float) -> Replica:
+    return msgspec.structs.replace(replica, heartbeat_seconds=heartbeat_seconds, last_seen=wall, seen=monotonic)
+
+
+def goodbye(batch: Batch, key: ReplicaKey) -> bool:
+    """Forget a replica (its sender said goodbye); whether there was one."""
+    if batch.get(key) is None:
+        return False
+    batch.stage(key, None, _remove(key))
+    return True
+
+
+def delete_deployment(batch: Batch, deployment: str) -> bool:
+    """Forget every replica of exactly ``deployment`` (not of ``deployment/...``); whether there was one."""
+    names = sorted(batch.names(deployment))
+    for name in names:
+        batch.stage((deployment, name), None, _remove((deployment, name)))
+    return bool(names)
+
+
+def delete_engine(rules: Rules, batch: Batch, key: ReplicaKey, engine: int) -> Replica | None:
+    """Forget one engine; the updated replica, or ``None`` if there was no such engine."""
+    current = batch.get(key)
+    if current is None or engine not in current.engines:
+        return None
+    engines = {index: report for index, report in current.engines.items() if index != engine}
+    updated = build_replica(key, current.instance_id, current.static_labels, current.heartbeat_seconds,
+                            current.last_seen, engines, rules.base_labels, seen=current.seen)  # fmt: skip
+    batch.stage(
+        key, updated, lambda store: store.delete_engine(*key, engine), size=_measured(rules, batch, key, updated)
+    )
+    return updated
+
+
+def deadline(rules: Rules, replica: Replica) -> float | None:
+    """When the replica expires on the monotonic clock, or ``None`` if it never does."""
+    if replica.heartbeat_seconds is None:
+        return None
+    return replica.seen + replica.heartbeat_seconds * rules.missed_heartbeats
+
+
+class Liveness:
+    """Heartbeats heard, and when to look for replicas whose heartbeats stopped.
+
+    A heartbeat changes only "last seen", which stays in memory until a checkpoint anyway: so in a single
+    process it needs no turn of the writer of its own. ``hear`` records it (a dict write under a lock) and the
+    request is answered at once; every batch ``fold``s what was heard before anything else, so expiry, the
+    checkpoint and the next read see it. What was heard is forgotten only once a batch that folded it is
+    committed (a failed batch leaves it for the next). A replica gone meanwhile takes no heartbeat (its
+    sender's next one is told to send its state).
+
+    Expiry keeps a lower bound of the earliest deadline: a deadline moves later with each heartbeat, and one that
+    comes sooner (a new replica, a shorter promise) is heard of as it is committed. Only once the bound has
+    passed are all replicas looked at (and the bound taken again from them): with 30 s heartbeats about once
+    a minute rather than once a second.
+    """
+
+    def __init__(self, rules: Rules) -> None:
+        self._rules = rules
+        self._earliest = -math.inf  # unknown: look
+        self._heard: dict[ReplicaKey, tuple[float, float, float]] = {}
+        self._folded: dict[ReplicaKey, tuple[float, float, float]] = {}
+        self._lock = threading.Lock()
+
+    def hear(self, key: ReplicaKey, heartbeat_seconds: float) -> None:
+        """A heartbeat of a replica the state holds; the next batch folds it in."""
+        heard = (heartbeat_seconds, self._rules.wall(), self._rules.monotonic())
+        with self._lock:
+            self._heard[key] = heard
+
+    def pending(self) -> bool:
+        """Whether heartbeats wait to be folded in and committed."""
+        return bool(self._heard)
+
+    def fold(self, batch: Batch) -> None:
+        """Stage the heartbeats heard and not yet committed, kept in memory as ``heartbeat`` keeps them."""
+        with self._lock:
+            self._folded = dict(self._heard)
+        for key, (heartbeat_seconds, wall, monotonic) in self._folded.items():
+            current = batch.get(key)
+            if current is not None:
+                batch.touch(key, _alive(current, heartbeat_seconds, wall, monotonic))
+
+    def due(self, replicas: Mapping[ReplicaKey, Replica]) -> bool:
+        """Whether any replica's heartbeats stopped (or one heard may have: its batch folds it in first)."""
+        now = self._rules.monotonic()
+        if now <= self._earliest:
+            return False
+        deadlines = (deadline(self._rules, replica) for replica in replicas.values())
+        self._earliest = min((when for when in deadlines if when is not None), default=math.inf)
+        return now > self._earliest
+
+    def run(self, batch: Batch) -> None:
+        expire(self._rules, batch)
+
+    def committed(self, changed: Mapping[ReplicaKey, Replica | None], reloaded: bool) -> None:
+        """Hear of committed changes; ``reloaded``: the replicas were loaded again (another process wrote)."""
+        with self._lock:  # what the batch folded is in: forget it, unless heard again since
+            for key, heard in self._folded.items():
+                if self._heard.get(key) is heard:
+                    del self._heard[key]
+            self._folded = {}
+        if reloaded:
+            self._earliest = -math.inf
+            return
+        for replica in changed.values():
+            when = None if replica is None else deadline(self._rules, replica)
+            if when is not None and when < self._earliest:
+                self._earliest = when
+
+
+def expire(rules: Rules, batch: Batch) -> None:
+    """Stage the removal of every replica whose heartbeats stopped (but one changed in this batch)."""
+    now = rules.monotonic()
+    for key, replica in batch.current.items():
+        when = deadline(rules, replica)
+        if key in batch.changed or when is None or now <= when:
+            continue
+        log.warning("replica %r of %r expired: no heartbeat for %.0f s", key[1], key[0], now - replica.seen)
+        batch.stage(key, None, _remove(key))
+        batch.counts["expired"] += 1
+
+
+def seen_at_load(last_seen: float, wall_now: float, monotonic_now: float, started: float) -> float:
+    """A stored replica's ``last_seen`` (wall) on this process's monotonic clock.
+
+    Never before ``started``: a replica gets a full expiry period from start-up, as it cannot have sent heartbeats
+    to a stopped exporter; never after now, whatever a wall clock that went back says.
+    """
+    return max(started, monotonic_now - max(0.0, wall_now - last_seen))
