@@ -23,7 +23,7 @@ from exporter import __version__
 from exporter.config.addresses import split_listen_address
 from exporter.config.option import Option, SettingsError
 from exporter.config.options import DEFAULT_PORT
-from exporter.config.settings import SETTINGS_ENVIRONMENT, add_options, serve_options, settings_from
+from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.state.storage import SqliteStore, StorageError
 from exporter.vllm_plugin import sender
@@ -93,11 +93,27 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def _prepare_workers(settings: Settings) -> str:
+    """``serve --web.workers N``: check here what would stop every worker, hand them the settings and the folder
+    of their counts; the import path of the app each builds."""
+    from exporter.probe.client import MetricsClient
+    from exporter.security.auth import Credentials
+
+    Credentials.from_settings(settings)
+    MetricsClient.from_settings(settings)
+    settings.base_labels()
+    if not settings.probe_only:
+        SqliteStore(settings.storage_path).close()
+    os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
+    # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
+    os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
+    atexit.register(shutil.rmtree, counters, ignore_errors=True)
+    return "exporter.server.app:create_app_from_environment"
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from exporter.probe.client import MetricsClient
-    from exporter.security.auth import Credentials
     from exporter.security.https_listener import ReloadingTls, watched_tls
     from exporter.server.app import create_app
     from exporter.server.gc_freeze import freeze_survivors
@@ -109,34 +125,17 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
-        if settings.workers == 1:
-            app: Any = create_app(settings)
-        else:
-            # Each worker builds its own app; check here what would stop them all.
-            Credentials.from_settings(settings)
-            MetricsClient.from_settings(settings)
-            settings.base_labels()
-            SqliteStore(settings.storage_path).close()
-            os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
-            # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
-            os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
-            atexit.register(shutil.rmtree, counters, ignore_errors=True)
-            app = "exporter.server.app:create_app_from_environment"
+        app: Any = create_app(settings) if settings.workers == 1 else _prepare_workers(settings)
     except (SettingsError, StorageError) as error:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
         return 2
     host, port = split_listen_address(settings.listen_address)
     # Not "listening" yet: uvicorn logs "Uvicorn running on ..." once the socket is bound, and each worker
     # "Application startup complete" once it accepts; /-/ready answers 200 from then on.
+    kept = "probe only, no storage" if settings.probe_only else f"storage {settings.storage_path}"
     logging.getLogger("cache_config_exporter").info(
-        "starting %d worker(s) on %s, storage %s", settings.workers, settings.listen_address, settings.storage_path
+        "starting %d worker(s) on %s, %s", settings.workers, settings.listen_address, kept
     )
-    unknown = settings.info_labels().unknown()
-    if unknown:
-        logging.getLogger("cache_config_exporter").warning(
-            "no vLLM release known here has the label(s) %s named by --metric.labels-*: a typo, or a newer vLLM's",
-            ", ".join(unknown),
-        )
     max_connections, descriptors = connections_within_descriptors(settings.max_connections)
     if max_connections < settings.max_connections:
         logging.getLogger("cache_config_exporter").warning(

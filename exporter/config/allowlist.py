@@ -2,29 +2,33 @@
 
 A target is ``HOST:PORT`` and nothing else (no scheme, user, path or query), so the one URL the probe fetches,
 ``<scheme>://HOST:PORT/metrics``, cannot be steered elsewhere. ``--probe.allowed-targets`` lists CIDRs
-(``10.0.0.0/8``, ``fd00::/8``, a single address) and ``HOST:PORT`` patterns with ``*`` and ``?`` wildcards
-(``vllm-*.models.svc.cluster.local:8000``, ``gpu-node-?:*``). A name pattern trusts the name, whatever it
-resolves to; a CIDR trusts addresses, so a name allowed only through a CIDR is resolved first and only the
-addresses inside the CIDRs are connected to (the checked address itself, so DNS cannot answer differently
-between the check and the connection). No entry: probing is off. Imports nothing of the exporter, so the
-settings can check the flag's entries at start-up.
+(``10.0.0.0/8``, ``fd00::/8``, a single address), which permit targets given as addresses inside them, and
+``HOST:PORT`` patterns, which permit names (and addresses as written): matched label by label, ``*`` any run
+of characters within one label and ``?`` one character, neither ever crossing a dot, so ``10.0.0.*:8000``
+cannot permit ``10.0.0.7.attacker.example:8000``; a pattern of dotted digits and wildcards alone matches
+addresses only. A name pattern trusts the name, whatever it resolves to. Whether a target is permitted is
+known before any DNS lookup: a name no pattern permits is refused without one. No entry: probing is off.
+Imports nothing of the exporter, so the settings can check the flag's entries at start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import ipaddress
 import re
 import socket
 from dataclasses import dataclass
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-# DNS names (letters, digits, hyphens and dots), IPv4 addresses, or IPv6 addresses in brackets; then the port.
-_TARGET = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?):[0-9]{1,5}")
+# DNS names (labels of letters, digits and inner hyphens, joined by dots), IPv4 addresses, or IPv6 addresses in
+# brackets; then the port.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_TARGET = re.compile(rf"(\[[0-9A-Fa-f:.]{{2,45}}\]|{_LABEL}(?:\.{_LABEL})*):[0-9]{{1,5}}")
 MAX_TARGET = 261
-# What a HOST:PORT pattern may hold: a target's characters and the wildcards.
-_NAME_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.*?]+\]|[A-Za-z0-9.*?-]+):[0-9*?]+")
+# A HOST:PORT pattern: labels of a name's characters and the wildcards, or an [IPv6] pattern; then the port.
+_NAME_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.*?]+\]|[A-Za-z0-9*?-]+(?:\.[A-Za-z0-9*?-]+)*):[0-9*?]+")
+# A pattern that can only mean IPv4 addresses: dotted digits and wildcards (10.0.0.*:8000, *.*.*.*:8000).
+_ADDRESS_PATTERN = re.compile(r"[0-9*?]*\.[0-9.*?]*:[0-9*?]+")
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,42 @@ class TargetForbidden(Exception):
     """The allowlist does not let the exporter fetch this target."""
 
 
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses of a name, in the resolver's order: the one DNS lookup a probe makes."""
+    resolved = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in resolved))
+
+
+@dataclass(frozen=True)
+class NamePattern:
+    """A ``HOST:PORT`` pattern of the allowlist: its text, and the expression it matches targets with."""
+
+    text: str
+    expression: re.Pattern[str]
+    addresses_only: bool
+
+    @classmethod
+    def parse(cls, entry: str) -> NamePattern:
+        """``*`` and ``?`` within one label of the host (never a dot or an IPv6 colon), digits in the port."""
+        host, _, port = entry.lower().rpartition(":")
+        wildcards = {"*": "[^.:]*", "?": "[^.:]"}
+        digits = {"*": "[0-9]*", "?": "[0-9]"}
+        expression = "".join(wildcards.get(char, re.escape(char)) for char in host) + ":"
+        expression += "".join(digits.get(char, re.escape(char)) for char in port)
+        return cls(entry, re.compile(expression), bool(_ADDRESS_PATTERN.fullmatch(entry)))
+
+    def permits(self, target: Target) -> bool:
+        if self.addresses_only and target.address is None:
+            return False
+        return self.expression.fullmatch(target.normalized) is not None
+
+
 @dataclass(frozen=True)
 class AllowList:
     """The entries of ``--probe.allowed-targets``: networks and ``HOST:PORT`` name patterns."""
 
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-    names: tuple[str, ...] = ()
+    names: tuple[NamePattern, ...] = ()
 
     @classmethod
     def parse(cls, entries: tuple[str, ...]) -> AllowList:
@@ -88,44 +122,32 @@ class AllowList:
                 pass
             if not _NAME_PATTERN.fullmatch(entry):
                 raise ValueError(
-                    f"{entry!r} is neither a CIDR nor a HOST:PORT pattern (letters, digits, .-, * and ?; "
-                    "'*' as the port for any port)"
+                    f"{entry!r} is neither a CIDR nor a HOST:PORT pattern (labels of letters, digits, - and the "
+                    "wildcards * and ?, joined by dots; '*' as the port for any port)"
                 )
-            names.append(entry.lower())
+            names.append(NamePattern.parse(entry))
         return cls(tuple(networks), tuple(names))
 
-    @property
-    def empty(self) -> bool:
-        return not self.networks and not self.names
-
-    def names_permit(self, target: Target) -> bool:
-        """A name pattern (or, for an address target, a network) permits the target without resolving it."""
+    def check(self, target: Target) -> None:
+        """Raise ``TargetForbidden`` unless an entry permits the target, without resolving it: a network an
+        address target, a name pattern a name (or an address as written)."""
+        if not self.networks and not self.names:
+            raise TargetForbidden("probing is off: no --probe.allowed-targets configured")
         address = target.address
-        if address is not None and self._network_permits(address):
-            return True
-        return any(fnmatch.fnmatchcase(target.normalized, pattern) for pattern in self.names)
-
-    def _network_permits(self, address: IPAddress) -> bool:
-        return any(address in network for network in self.networks)
+        if address is not None and any(address in network for network in self.networks):
+            return
+        if any(pattern.permits(target) for pattern in self.names):
+            return
+        if address is not None:
+            raise TargetForbidden(f"{target.text} is not in --probe.allowed-targets")
+        raise TargetForbidden(
+            f"{target.text} matches no HOST:PORT pattern of --probe.allowed-targets (a CIDR permits addresses, "
+            "not names)"
+        )
 
     async def addresses(self, target: Target) -> list[str]:
-        """The addresses to connect to, in the resolver's order: only those the allowlist permits.
-
-        Raises ``TargetForbidden`` when none is, and ``OSError`` when the name does not resolve.
-        """
-        if self.empty:
-            raise TargetForbidden("probing is off: no --probe.allowed-targets configured")
-        by_name = self.names_permit(target)
+        """The addresses to connect to, of a target ``check`` permitted: its own, or its name's, in the
+        resolver's order (``OSError`` when the name does not resolve)."""
         if target.address is not None:
-            if not by_name:
-                raise TargetForbidden(f"{target.text} is not in --probe.allowed-targets")
             return [target.host]
-        if not by_name and not self.networks:
-            raise TargetForbidden(f"{target.text} matches no pattern of --probe.allowed-targets")
-        resolved = await asyncio.get_running_loop().getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-        addresses = list(dict.fromkeys(str(info[4][0]) for info in resolved))
-        if not by_name:
-            addresses = [address for address in addresses if self._network_permits(ipaddress.ip_address(address))]
-            if not addresses:
-                raise TargetForbidden(f"{target.text} resolves to no address in --probe.allowed-targets")
-        return addresses
+        return await resolve(target.host, target.port)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from exporter.config.addresses import LISTEN_ADDRESS_FLAG, allowed_hosts
 from exporter.config.option import file_setting, list_setting, setting
+from exporter.exposition.series import LABEL_PRESETS
 
 # 9100-9999, Prometheus' exporter range, is fully allocated; see docs/operators.md, "Default port".
 DEFAULT_PORT = 10987
@@ -150,6 +151,14 @@ class OutputOptions:
         "--metric.labels-denylist",
         "comma-separated vLLM labels cache_config_info drops; excludes --metric.labels-allowlist",
     )
+    # An allowlist by name, for backends that cap label names (Grafana Mimir and Cortex: 30 by default).
+    metric_labels_preset: str = setting(
+        "",
+        "--metric.labels-preset",
+        f"named set of vLLM labels cache_config_info keeps: {', '.join(LABEL_PRESETS)} (docs/metrics.md lists them); "
+        "--metric.labels-denylist drops names from it, --metric.labels-allowlist excludes it; empty: none",
+        choices=tuple(LABEL_PRESETS),
+    )
     log_level: str = setting("info", "--log.level", "log level", choices=LOG_LEVELS)
 
 
@@ -163,6 +172,13 @@ class ProbeOptions:
         "comma-separated targets /probe may fetch: CIDRs (10.0.0.0/8) and HOST:PORT patterns with * and ? "
         "(vllm-*.example:8000, gpu-?:*); empty: /probe answers 403",
     )
+    # A probe-only exporter needs nothing that ingest needs: no token on a public address, no writable store.
+    probe_only: bool = setting(
+        False,
+        "--probe.only",
+        "serve /probe, the exporter's own metrics and health alone: no ingest routes, no ingest token, "
+        "no storage opened; needs --probe.allowed-targets",
+    )
     probe_timeout_seconds: float = setting(
         10.0,
         "--probe.timeout",
@@ -170,6 +186,10 @@ class ProbeOptions:
     )
     probe_max_body_bytes: int = setting(
         8 << 20, "--probe.max-body-bytes", "largest /metrics body a probe reads; past it the probe fails"
+    )
+    # A probe holds its slot until it answers (a target that never answers: until its timeout); no queue.
+    probe_max_concurrent: int = setting(
+        16, "--probe.max-concurrent", "most probes running at once; past it /probe answers 503 at once (retry)"
     )
     probe_scheme: str = setting("http", "--probe.scheme", "how /probe reaches targets", choices=("http", "https"))
     probe_tls_ca_file: Path | None = file_setting(

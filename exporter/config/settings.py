@@ -25,7 +25,7 @@ from exporter.config.addresses import is_loopback, split_listen_address
 from exporter.config.allowlist import AllowList
 from exporter.config.option import OPTION, Option, SettingsError, optional_path, read_file
 from exporter.config.options import OutputOptions, ProbeOptions, StateOptions, WebOptions
-from exporter.exposition.series import InfoLabels, LabelChoiceError
+from exporter.exposition.series import InfoLabels, LabelChoiceError, LabelFlags
 from exporter.state.limits import Limits
 from protocol import InvalidPayload, decode_static_labels
 
@@ -71,6 +71,18 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
                     f"{flag_of('metrics_basic_auth_file')} and {web_config} exclude each other: "
                     "put the users, with bcrypt hashes, under basic_auth_users in the web config file"
                 )
+        self._check_ingest()
+        self._check_probe()
+
+    def _check_ingest(self) -> None:
+        """Ingest beyond loopback needs a token, or the explicit choice of none; a probe-only exporter has no ingest,
+        so a token file would be a secret kept for nothing."""
+        if self.probe_only:
+            if self.ingest_token_file is not None:
+                raise SettingsError(
+                    f"{flag_of('ingest_token_file')} has no use with {flag_of('probe_only')}, which serves no ingest"
+                )
+            return
         host, _ = split_listen_address(self.listen_address)
         if not (is_loopback(host) or self.ingest_token_file or self.allow_unauthenticated_ingest):
             raise SettingsError(
@@ -78,7 +90,6 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
                 f"{flag_of('ingest_token_file')} (or {flag_of('allow_unauthenticated_ingest')} to accept anyone's "
                 "ready responses)"
             )
-        self._check_probe()
 
     def _check_probe(self) -> None:
         """The /probe settings that cannot work together, or entries of the allowlist that mean nothing."""
@@ -86,6 +97,11 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
             AllowList.parse(self.probe_allowed_targets)
         except ValueError as error:
             raise SettingsError(f"{flag_of('probe_allowed_targets')} {error}") from None
+        if self.probe_only and not self.probe_allowed_targets:
+            raise SettingsError(
+                f"{flag_of('probe_only')} needs {flag_of('probe_allowed_targets')}, the vLLM servers /probe may read "
+                "(CIDRs such as the pod network, or HOST:PORT patterns): without it every probe is refused"
+            )
         tls_names = ("probe_tls_ca_file", "probe_tls_server_name", "probe_tls_insecure_skip_verify")
         tls = [name for name in tls_names if getattr(self, name)]
         if tls and self.probe_scheme != "https":
@@ -103,13 +119,17 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
             )
 
     def info_labels(self) -> InfoLabels:
-        """The labels ``cache_config_info`` keeps, of ``--metric.labels-allowlist`` or ``--metric.labels-denylist``."""
+        """The labels ``cache_config_info`` keeps: ``--metric.labels-preset``, ``-allowlist`` or ``-denylist``."""
+        names = ("metric_labels_allowlist", "metric_labels_denylist", "metric_labels_preset")
         try:
-            return InfoLabels.parse(self.metric_labels_allowlist, self.metric_labels_denylist)
+            return InfoLabels.parse(
+                self.metric_labels_allowlist,
+                self.metric_labels_denylist,
+                self.metric_labels_preset,
+                LabelFlags(*(flag_of(name) for name in names)),
+            )
         except LabelChoiceError as error:
-            allow, deny = flag_of("metric_labels_allowlist"), flag_of("metric_labels_denylist")
-            flag = {"allow": allow, "deny": deny}.get(error.which, f"{allow} and {deny}")
-            raise SettingsError(f"{flag}: {error}") from None
+            raise SettingsError(str(error)) from None
 
     def limits(self) -> Limits:
         """The cardinality caps of ``--limits.*``."""

@@ -12,9 +12,11 @@ them per replica.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Mapping
+import difflib
+import functools
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from exporter.state.replicas import Replica
 from protocol import KVCacheGroups, releases
@@ -49,7 +51,13 @@ ENGINE_GAUGES = (
     Family("kv_cache_max_concurrency", "Requests of max_model_len this engine's KV cache can hold at once."),
     Family(
         "hash_block_size",
-        "Tokens per prefix-cache block hash as this engine core resolved it (absent without its KV-cache groups).",
+        "Tokens per prefix-cache block hash as this engine core resolved it (absent where nothing told it: see "
+        "cache_config_hash_block_size_source_info).",
+    ),
+    Family(
+        "cache_hit_alignment_tokens",
+        "Tokens at which this engine core's prefix-cache hits land, as it resolved them: a shorter prompt never "
+        "hits (absent where nothing told it: see cache_config_cache_hit_alignment_tokens_source_info).",
     ),
 )
 UPDATED = Family(
@@ -64,6 +72,22 @@ SOURCE = Family(
     "mamba_block_size_source_info",
     "Where an engine's true mamba_block_size came from: kv_cache_groups (the engine core's own KV-cache groups, "
     "reported by the plugin) or sync_rule (a rule over the ready response, for pushes without groups).",
+)
+# Where each engine-resolved value came from, named like SOURCE after the ``EngineFigures`` field it reports;
+# ``unknown`` where nothing told it (vLLM's frontend never learns these values).
+RESOLVED_SOURCES = (
+    Family(
+        "hash_block_size_source_info",
+        "Where an engine's hash_block_size came from: kv_cache_groups (the engine core's own KV-cache config, "
+        "reported by the plugin), prefix_hash_config (the engine's ready response, vLLM 0.34+) or unknown (the "
+        "cache_config_info label then keeps vLLM's own value, None from vLLM's frontend).",
+    ),
+    Family(
+        "cache_hit_alignment_tokens_source_info",
+        "Where an engine's cache_hit_alignment_tokens came from: kv_cache_groups (the engine core's own KV-cache "
+        "config, reported by the plugin) or unknown (the cache_config_info label then keeps vLLM's own value, None "
+        "from vLLM's frontend).",
+    ),
 )
 GROUP_INFO = Family(
     "kv_cache_group_info",
@@ -96,25 +120,46 @@ HEARTBEAT = Family(
 # comes with each heartbeat too but is the same each time: it sits with the config families, rendered when it changes.
 LIVENESS = (SEEN,)
 FAMILIES = (
-    INFO, *ENGINE_GAUGES, SOURCE, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED, DISTINCT, PARALLEL,
-    HEARTBEAT, *LIVENESS,
+    INFO, *ENGINE_GAUGES, SOURCE, *RESOLVED_SOURCES, GROUP_INFO, *(family for family, _ in GROUP_GAUGES), UPDATED,
+    DISTINCT, PARALLEL, HEARTBEAT, *LIVENESS,
 )  # fmt: skip
 # Who a series belongs to: on every series, never chosen away (without them two engines' series would collide).
 IDENTITY = ("deployment", "replica", "engine")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Named label sets of ``--metric.labels-preset``, each an allowlist; docs/metrics.md shows each (its test checks).
+LABEL_PRESETS: dict[str, tuple[str, ...]] = {
+    # For hosted backends that cap label names (Grafana Mimir and Cortex: 30 by default): the true block sizes and
+    # what decides them, the dtypes, prefix caching, memory and the replica's block count.
+    "compact": (
+        "block_size", "mamba_block_size", "effective_attention_block_size", "hash_block_size", "mamba_cache_mode",
+        "cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "enable_prefix_caching",
+        "prefix_caching_hash_algo", "gpu_memory_utilization", "num_gpu_blocks", "num_cpu_blocks", "sliding_window",
+        "kv_cache_memory_bytes", "kv_offloading_backend",
+    ),
+}  # fmt: skip
+
+
+class LabelFlags(NamedTuple):
+    """What the messages of ``InfoLabels.parse`` call each choice: the flags of ``serve``."""
+
+    allow: str
+    deny: str
+    preset: str
 
 
 class LabelChoiceError(ValueError):
-    """A label list that cannot work; ``which`` is the list: ``allow``, ``deny`` or ``both``."""
+    """A choice of labels that cannot work, said in full: what is wrong and what would work."""
 
-    def __init__(self, which: str, reason: str) -> None:
-        super().__init__(reason)
-        self.which = which
+
+@functools.cache
+def known_labels() -> frozenset[str]:
+    """The labels some vLLM release of the table has, and the identity labels."""
+    return frozenset({label.name for release in releases() for label in release.cache_config.labels}.union(IDENTITY))
 
 
 @dataclass(frozen=True)
 class InfoLabels:
-    """Which of vLLM's labels ``cache_config_info`` carries (``--metric.labels-allowlist``/``-denylist``).
+    """Which of vLLM's labels ``cache_config_info`` carries (``--metric.labels-preset``, ``-allowlist``,
+    ``-denylist``).
 
     Hosted backends refuse series with many label names (Grafana Mimir and Cortex: more than 30 by default), and
     ``cache_config_info`` has 39 in vLLM 0.34. ``allow`` None keeps every label; ``deny`` drops labels. The
@@ -125,17 +170,22 @@ class InfoLabels:
     deny: frozenset[str] = frozenset()
 
     @classmethod
-    def parse(cls, allow: Collection[str], deny: Collection[str]) -> InfoLabels:
-        """From the two lists (empty: not given); raises ``LabelChoiceError`` naming what cannot work."""
+    def parse(cls, allow: Collection[str], deny: Collection[str], preset: str, flags: LabelFlags) -> InfoLabels:
+        """From the allowlist, the denylist and the preset (empty: not given). A name no vLLM release of the table
+        has is refused with the nearest known ones: a typo would otherwise drop a label without a word. Raises
+        ``LabelChoiceError``."""
         if allow and deny:
-            raise LabelChoiceError("both", "the allowlist and the denylist exclude each other: give one")
-        for which, names in (("allow", allow), ("deny", deny)):
-            for name in names:
-                if not _LABEL_NAME.fullmatch(name):
-                    raise LabelChoiceError(which, f"{name!r} is not a label name")
-        kept = sorted(set(deny) & set(IDENTITY))
+            raise LabelChoiceError(f"{flags.allow} and {flags.deny} cannot be combined: give one of them")
+        _refuse_unknown(flags.allow, allow)
+        _refuse_unknown(flags.deny, deny)
+        kept = [name for name in IDENTITY if name in deny]
         if kept:
-            raise LabelChoiceError("deny", f"{', '.join(kept)} identify each series and cannot be dropped")
+            raise LabelChoiceError(
+                f"{flags.deny} cannot drop {_joined(kept, 'or')}: deployment, replica and engine tell the series "
+                "apart, so they are always kept"
+            )
+        if preset:
+            allow = _preset_labels(preset, flags, allow, deny)
         return cls(frozenset(allow) - set(IDENTITY) if allow else None, frozenset(deny))
 
     def keeps(self, name: str) -> bool:
@@ -145,10 +195,48 @@ class InfoLabels:
         """The labels kept, in the order of the sending vLLM release."""
         return tuple((name, value) for name, value in labels.items() if self.keeps(name))
 
-    def unknown(self) -> list[str]:
-        """Names in the lists that no vLLM release of the table has: a typo, or a label of a newer vLLM."""
-        known = {label.name for release in releases() for label in release.cache_config.labels}
-        return sorted((self.allow or frozenset()) - known | self.deny - known)
+
+def _preset_labels(preset: str, flags: LabelFlags, allow: Collection[str], deny: Collection[str]) -> tuple[str, ...]:
+    """The allowlist ``preset`` names, which the denylist may shorten; refuses what would not work with it."""
+    if preset not in LABEL_PRESETS:
+        raise LabelChoiceError(
+            f"{flags.preset}: there is no preset {preset!r} (known presets: {', '.join(LABEL_PRESETS)})"
+        )
+    if allow:
+        raise LabelChoiceError(
+            f"{flags.preset} and {flags.allow} cannot be combined: the preset is an allowlist already "
+            f"({flags.deny} drops names from it)"
+        )
+    labels = LABEL_PRESETS[preset]
+    outside = [name for name in deny if name not in labels]
+    if outside:
+        raise LabelChoiceError(
+            f"{flags.deny} names {_joined([repr(name) for name in outside], 'and')}, which the {preset} preset does "
+            "not keep anyway: there is nothing to drop"
+        )
+    return labels
+
+
+def _refuse_unknown(flag: str, names: Collection[str]) -> None:
+    """Refuse the names no vLLM release of the table has, each with the known names nearest to it."""
+    unknown = [name for name in names if name not in known_labels()]
+    if not unknown:
+        return
+    table = releases()
+    raise LabelChoiceError(
+        f"{flag}: no vLLM release from {table[0].version} to {table[-1].version} has a label named "
+        f"{_joined([_with_nearest(name) for name in unknown], 'or')}"
+    )
+
+
+def _with_nearest(name: str) -> str:
+    nearest = difflib.get_close_matches(name, sorted(known_labels()), n=3)
+    return f"{name!r} (did you mean {_joined(nearest, 'or')}?)" if nearest else repr(name)
+
+
+def _joined(words: Sequence[str], conjunction: str) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return f"{', '.join(words[:-1])} {conjunction} {words[-1]}" if len(words) > 1 else words[0]
 
 
 EVERY_LABEL = InfoLabels()
@@ -173,8 +261,10 @@ def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> 
                 value = getattr(figures, family.suffix)
                 if value is not None:
                     samples[family].append((engine_identity, value))
-            if figures.mamba_block_size_source is not None:
-                samples[SOURCE].append(((*engine_identity, ("source", figures.mamba_block_size_source)), 1.0))
+            for family in (SOURCE, *RESOLVED_SOURCES):
+                source = getattr(figures, family.suffix.removesuffix("_info"))
+                if source is not None:
+                    samples[family].append(((*engine_identity, ("source", source)), 1.0))
             if figures.kv_cache_groups is not None:
                 _group_samples(samples, engine_identity, figures.kv_cache_groups)
             samples[UPDATED].append((engine_identity, replica.engines[engine].received_at))

@@ -46,17 +46,18 @@ REJECTION_REASONS = (
 
 
 class _Health(Collector):
-    """Storage health and build info, read when collected."""
+    """Storage health, where there is a store, and build info, read when collected."""
 
-    def __init__(self, storage_healthy: Callable[[], bool]) -> None:
+    def __init__(self, storage_healthy: Callable[[], bool] | None) -> None:
         self._storage_healthy = storage_healthy
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            "cache_config_exporter_storage_healthy",
-            "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
-            value=float(self._storage_healthy()),
-        )
+        if self._storage_healthy is not None:
+            yield GaugeMetricFamily(
+                "cache_config_exporter_storage_healthy",
+                "1 while the store commits writes, 0 while it fails (ingest answers 503 then).",
+                value=float(self._storage_healthy()),
+            )
         build = GaugeMetricFamily(
             "cache_config_exporter_build_info",
             "A metric with a constant 1 labelled by the exporter's version and runtime.",
@@ -64,6 +65,17 @@ class _Health(Collector):
         )
         build.add_metric([__version__, platform.python_version(), msgspec.__version__], 1.0)
         yield build
+
+
+def register_own_metrics(registry: CollectorRegistry, storage_healthy: Callable[[], bool] | None = None) -> None:
+    """What every exporter shows of itself: build info, storage health where it keeps a store (a probe-only one
+    keeps none), the process, and with ``--web.workers N`` the counts of every worker."""
+    shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
+    if shared:
+        MultiProcessCollector(registry, shared)
+    registry.register(_Health(storage_healthy))
+    registry.register(ProcessMetrics())
+    PlatformCollector(registry=registry)
 
 
 class Telemetry:
@@ -93,11 +105,7 @@ class Telemetry:
             "Replicas removed because they missed their heartbeats without saying goodbye.",
             registry=own,
         )
-        if shared:
-            MultiProcessCollector(registry, shared)
-        registry.register(_Health(storage_healthy))
-        registry.register(ProcessMetrics())
-        PlatformCollector(registry=registry)
+        register_own_metrics(registry, storage_healthy)
         self._ticks = itertools.count(1)
         self.generation = 0
 

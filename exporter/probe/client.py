@@ -1,11 +1,14 @@
 """Fetching a target's ``/metrics`` for a probe: one bounded HTTP/1.1 GET, on the event loop.
 
 The exporter has no HTTP client dependency of its own; uvicorn's, h11 (a sans-I/O HTTP/1.1 parser), reads the
-response, over asyncio's streams. Everything a target controls is bounded: the response head (h11's limit),
-the body (``--probe.max-body-bytes``, checked against ``Content-Length`` before a byte of it is read), and the
-time (the caller's deadline covers resolving, connecting, TLS and reading). Redirects are not followed: they
-could lead outside the allowlist. TLS and credentials for protected ``/metrics`` come from the settings; the
-secrets from files, read again when they change.
+response, over asyncio's streams. Everything a target controls is bounded: the response head (16 KiB, the 1xx
+answers before it included), the body (``--probe.max-body-bytes``, checked against ``Content-Length`` before a
+byte of it is read, and against the bytes on the wire, chunk framing included, as they come), the time (the
+caller's deadline covers resolving, connecting, TLS and reading) and the event loop (h11's events are taken in
+``Turns``' slices: endless 1-byte chunks cost h11 about 13 us each). A body is never decoded (identity is
+asked for; any other ``Content-Encoding`` is refused unread). Redirects are not followed: they could lead
+outside the allowlist. A message says what broke and where, never the target's bytes. TLS and credentials for
+protected ``/metrics`` come from the settings; the secrets from files, read again when they change.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import h11
 
@@ -23,6 +27,7 @@ from exporter import __version__
 from exporter.config.allowlist import Target
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
+from exporter.probe.turns import Turns
 from exporter.security.watched_files import Watched
 from protocol import tokens
 
@@ -103,8 +108,11 @@ class MetricsClient:
     def scheme(self) -> str:
         return "https" if self.tls else "http"
 
-    async def fetch(self, target: Target, addresses: list[str], log: Callable[[str], None]) -> bytes:
-        """The body of ``GET /metrics`` from the first of ``addresses`` that takes the connection."""
+    async def fetch(
+        self, target: Target, addresses: list[str], log: Callable[[str], None], turns: Turns, body: BodyReader
+    ) -> None:
+        """``GET /metrics`` from the first of ``addresses`` that takes the connection, its body given to ``body``
+        as it comes, in ``turns``' slices."""
         streams = None
         for address in addresses:
             try:
@@ -125,11 +133,15 @@ class MetricsClient:
             raise ProbeFailed("unreachable", f"no address of {target.text} takes a connection")
         reader, writer = streams
         connection = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        response = _Response(connection, self.max_body_bytes, body)
         try:
-            writer.write(connection.send(self._request(target)) + (connection.send(h11.EndOfMessage()) or b""))
-            return await self._body(connection, reader)
-        except (h11.RemoteProtocolError, h11.LocalProtocolError) as error:
-            raise ProbeFailed("unreachable", f"the answer broke off or is no HTTP/1.1: {error}") from None
+            writer.write(
+                response.connection.send(self._request(target)) + (response.connection.send(h11.EndOfMessage()) or b"")
+            )
+            while not await turns.run(response.events()):
+                response.receive(await reader.read(_READ_BYTES))
+        except (h11.RemoteProtocolError, h11.LocalProtocolError):
+            raise ProbeFailed("unreachable", response.where_it_broke()) from None
         except OSError as error:
             raise ProbeFailed("unreachable", f"the connection failed: {error.strerror or error}") from None
         finally:
@@ -147,31 +159,80 @@ class MetricsClient:
             headers.append(("Authorization", self.authorization.current()))
         return h11.Request(method="GET", target="/metrics", headers=headers)
 
-    async def _body(self, connection: h11.Connection, reader: asyncio.StreamReader) -> bytes:
-        """Read a 200 response's body, within the cap; anything else is a ``ProbeFailed`` (informational
-        responses are skipped)."""
-        body = bytearray()
-        while True:
-            event = connection.next_event()
-            if event is h11.NEED_DATA:
-                connection.receive_data(await reader.read(_READ_BYTES))
-            elif isinstance(event, h11.Response):
-                self._check_head(event)
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > self.max_body_bytes:
-                    raise ProbeFailed("too_large", f"the body passed {_MAX_BODY_FLAG} ({self.max_body_bytes})")
-            elif isinstance(event, h11.EndOfMessage):  # h11 raises for a connection closed before it
-                return bytes(body)
 
-    def _check_head(self, response: h11.Response) -> None:
-        if response.status_code != 200:
-            reason = response.reason.decode("latin-1", "replace")[:100]
-            raise ProbeFailed("http_status", f"the target answered HTTP {response.status_code} {reason}".rstrip())
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
-        encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            raise ProbeFailed("not_vllm", f"the body is {encoding}-encoded though identity was asked for")
-        length = headers.get("content-length")
-        if length is not None and int(length) > self.max_body_bytes:
-            raise ProbeFailed("too_large", f"Content-Length {length} is over {_MAX_BODY_FLAG} ({self.max_body_bytes})")
+class BodyReader(Protocol):
+    """What takes a response's body as it comes, in steps (``Turns`` runs them)."""
+
+    def feed(self, data: bytes) -> Generator[None, None, None]: ...
+
+
+class _Response:
+    """One response as h11 reads it: its head checked, its body handed on, the bytes on the wire counted
+    against the caps (the head's, then the body's with its chunk framing), and how far it got when it broke."""
+
+    def __init__(self, connection: h11.Connection, max_body_bytes: int, body: BodyReader) -> None:
+        self.connection = connection
+        self.max_body_bytes = max_body_bytes
+        self.body = body
+        self.wire_bytes = 0
+        self.head_bytes: int | None = None  # known once the head is read
+        self.closed = False
+
+    def receive(self, data: bytes) -> None:
+        """Bytes off the wire (none: the target closed the connection)."""
+        self.closed = not data
+        self.wire_bytes += len(data)
+        self.connection.receive_data(data)
+        self._check_body_bytes()
+
+    def events(self) -> Generator[None, None, bool]:
+        """Take the events h11 has, one a step: ``True`` at the body's end, ``False`` when it needs more data.
+        Informational responses are skipped; anything but a 200 is a ``ProbeFailed``."""
+        while True:
+            event = self.connection.next_event()
+            if event is h11.NEED_DATA:
+                return False
+            if isinstance(event, h11.InformationalResponse | h11.Response):
+                read = self.wire_bytes - len(self.connection.trailing_data[0])
+                if read > MAX_HEAD_BYTES:  # h11 bounds one head; this, a head and the 1xx answers before it
+                    raise ProbeFailed("unreachable", f"the response head passed {MAX_HEAD_BYTES} bytes")
+                if isinstance(event, h11.Response):
+                    self.head_bytes = read
+                    _check_head(event, self.max_body_bytes)
+                    self._check_body_bytes()
+            elif isinstance(event, h11.Data):
+                yield from self.body.feed(event.data)
+            elif isinstance(event, h11.EndOfMessage):  # h11 raises for a connection closed before it
+                return True
+            yield
+
+    def _check_body_bytes(self) -> None:
+        if self.head_bytes is not None and self.wire_bytes - self.head_bytes > self.max_body_bytes:
+            raise ProbeFailed("too_large", f"the body passed {_MAX_BODY_FLAG} ({self.max_body_bytes} bytes on the "
+                                           "wire, chunk framing included)")  # fmt: skip
+
+    def where_it_broke(self) -> str:
+        """Why h11 refused the response, by how far it got; never its bytes (h11's messages quote them)."""
+        if self.head_bytes is None:
+            if self.wire_bytes > MAX_HEAD_BYTES:
+                return f"the response head passed {MAX_HEAD_BYTES} bytes"
+            if self.closed:
+                return f"the target closed the connection after {self.wire_bytes} bytes, before a whole response head"
+            return f"the response head is no HTTP/1.1 status line and headers (in its first {self.wire_bytes} bytes)"
+        into = self.wire_bytes - self.head_bytes
+        if self.closed:
+            return f"the target closed the connection {into} bytes into the body, before its end"
+        return f"the body's framing breaks HTTP/1.1 (Content-Length or chunked) {into} bytes into the body"
+
+
+def _check_head(response: h11.Response, max_body_bytes: int) -> None:
+    """A 200 of the identity encoding and a ``Content-Length`` within the cap, else a ``ProbeFailed``."""
+    if response.status_code != 200:
+        raise ProbeFailed("http_status", f"the target answered HTTP {response.status_code}")
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in response.headers}
+    if headers.get("content-encoding", "identity").strip().lower() != "identity":
+        raise ProbeFailed("not_vllm", "the body is encoded (Content-Encoding is not identity) though identity was "
+                                      "asked for: it is not read")  # fmt: skip
+    length = headers.get("content-length")
+    if length is not None and int(length) > max_body_bytes:
+        raise ProbeFailed("too_large", f"Content-Length {length} is over {_MAX_BODY_FLAG} ({max_body_bytes})")

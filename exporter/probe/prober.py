@@ -14,7 +14,10 @@ vLLM shows only the server's (``num_gpu_blocks`` is summed over the engines, ``k
 
 Stateless: nothing is stored. Every probe answers 200 with ``cache_config_probe_success`` and
 ``cache_config_probe_duration_seconds``; a target that cannot be read is ``success 0`` and a log line saying
-why (``?debug=true`` answers the probe's whole log). ``cache_config_exporter_probes_total{result}`` counts them.
+why (``?debug=true`` answers the probe's whole log), naming what failed and where, never the target's bytes.
+``cache_config_exporter_probes_total{result}`` counts them. Bounded whatever a target sends: the body is read
+as it comes (``text_format.py``), in slices that take turns on the event loop and stop at the deadline
+(``turns.py``); at most ``--probe.max-concurrent`` probes run, and one past them is refused at once.
 """
 
 from __future__ import annotations
@@ -23,23 +26,24 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter as Counts
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from exporter.config.allowlist import AllowList, Target
 from exporter.config.settings import Settings, flag_of
+from exporter.errors import Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.probe.client import MetricsClient, ProbeFailed
+from exporter.probe.text_format import INFO, Shown, TextReader
+from exporter.probe.turns import Turns
 from exporter.state.replicas import Replica, build_replica, engine_report
 from protocol import EngineCoreReadyResponse, InvalidPayload, Release, releases
 from protocol.labels import check_labels
@@ -49,7 +53,6 @@ from protocol.ready_response import JSON
 SUCCESS = "success"
 # Every result of a probe: success, or why it failed.
 RESULTS = (SUCCESS, "unreachable", "timeout", "too_large", "http_status", "not_vllm", "unknown_release", "invalid")
-INFO = "vllm:cache_config_info"
 # Taken off Prometheus' scrape timeout, so that the answer arrives before Prometheus gives up (blackbox_exporter's
 # --timeout-offset); at most half of a short timeout goes.
 TIMEOUT_MARGIN_SECONDS = 0.5
@@ -63,6 +66,12 @@ _SERVER_FIGURES = frozenset({"num_gpu_blocks", "kv_cache_size_tokens", "kv_cache
 # A ready response needs a max_model_len; vLLM's /metrics has none, and its family is not published.
 _UNSHOWN_MAX_MODEL_LEN = 1
 _log = logging.getLogger("cache_config_exporter")
+_MAX_RUNNING_FLAG = flag_of("probe_max_concurrent")
+BUSY_WARNING_SECONDS = 10.0
+
+
+class TooManyProbes(Refused):
+    """A probe past ``--probe.max-concurrent``: answered at once (503, retry), never queued."""
 
 
 @dataclass
@@ -84,7 +93,8 @@ def release_of_labels(names: frozenset[str]) -> tuple[Release, str]:
     """The release whose ``metrics_info()`` labels these are, and how it was told (for the log).
 
     The newest release with exactly these labels; else the newest whose labels are all among them (a later
-    build that added labels); else ``ProbeFailed`` naming the labels the nearest release has and these lack.
+    build that added labels; they are counted, not named); else ``ProbeFailed`` naming the labels the nearest
+    release has and these lack.
     """
     known = releases()
     exact = [release for release in known if frozenset(release.default_labels()) == names]
@@ -93,8 +103,8 @@ def release_of_labels(names: frozenset[str]) -> tuple[Release, str]:
         return exact[-1], f"the labels of vLLM {versions}"
     covered = [release for release in known if frozenset(release.default_labels()) <= names]
     if covered:
-        extra = sorted(names - frozenset(covered[-1].default_labels()))
-        return covered[-1], f"the labels of vLLM {covered[-1].version} and {', '.join(extra)}: a later build"
+        extra = len(names - frozenset(covered[-1].default_labels()))  # counted: the target's names are not echoed
+        return covered[-1], f"the labels of vLLM {covered[-1].version} and {extra} more: a later build"
     nearest = min(known, key=lambda release: (len(names ^ frozenset(release.default_labels())), release.key[::-1]))
     missing = sorted(frozenset(nearest.default_labels()) - names)
     raise ProbeFailed(
@@ -104,54 +114,24 @@ def release_of_labels(names: frozenset[str]) -> tuple[Release, str]:
     )
 
 
-def _parse(text: str) -> tuple[dict[int, Counts[tuple[tuple[str, str], ...]]], set[str]]:
-    """Each engine's ``vllm:cache_config_info`` label sets (with how often each appears), and the model names."""
-    engines: dict[int, Counts[tuple[tuple[str, str], ...]]] = {}
-    models: set[str] = set()
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if "model_name" in sample.labels and sample.name.startswith("vllm:"):
-                    models.add(sample.labels["model_name"])
-                if sample.name != INFO:
-                    continue
-                engine = sample.labels.get("engine", "")
-                if not engine.isdigit() or len(engine) > 5:
-                    raise ProbeFailed("invalid", f"{INFO} has engine={engine[:20]!r}, not an engine index")
-                labels = tuple(sorted((name, value) for name, value in sample.labels.items() if name != "engine"))
-                engines.setdefault(int(engine), Counts())[labels] += 1
-    except ValueError as error:
-        raise ProbeFailed("not_vllm", f"the body is no Prometheus text exposition: {str(error)[:200]}") from None
-    return engines, models
-
-
 def read_vllm(
-    text: str,
-    target: Target,
-    deployment: str | None,
-    base_labels: Mapping[str, str],
-    max_engines: int,
-    log: ProbeLog,
+    shown: Shown, target: Target, deployment: str | None, base_labels: Mapping[str, str], log: ProbeLog
 ) -> Replica:
     """The replica a vLLM server's ``/metrics`` shows, synced as a push of the same figures would be."""
-    shown, models = _parse(text)
-    if not shown:
+    if not shown.engines:
         raise ProbeFailed("not_vllm", f"no {INFO} series: not a vLLM server, or one whose engines are not up yet")
-    if len(shown) > max_engines:
-        limit = flag_of("max_engines_per_deployment")
-        raise ProbeFailed("invalid", f"{len(shown)} engines, more than {limit} allows ({max_engines})")
     if deployment is None:
         # Named as the plugin names the same server: a model served by path after its folder.
-        deployment = deployment_of_model(min(models)) if models else DEFAULT_DEPLOYMENT
-        if len(models) > 1:
-            log(f"several model_name values ({', '.join(sorted(models))}); the deployment is {deployment!r}")
-    label_sets = {engine: sets.most_common(1)[0][0] for engine, sets in shown.items()}
-    for engine, sets in sorted(shown.items()):
-        if len(sets) > 1:
-            log(f"engine {engine} shows {len(sets)} different {INFO} label sets (several API servers?); the most "
+        deployment = deployment_of_model(min(shown.models)) if shown.models else DEFAULT_DEPLOYMENT
+        if len(shown.models) > 1:
+            log(f"{len(shown.models)} different model_name values: the first in order names the deployment")
+    label_sets = {engine: labels for engine, (labels, _) in shown.engines.items()}
+    for engine, (_, count) in sorted(shown.engines.items()):
+        if count > 1:
+            log(f"engine {engine} shows {count} different {INFO} label sets (several API servers?); the most "
                 f"frequent is taken")  # fmt: skip
     lead = min(label_sets)
-    static = dict(label_sets[lead])
+    static = label_sets[lead]
     if any(label_sets[engine] != label_sets[lead] for engine in label_sets):
         log(f"the engines' {INFO} labels differ; engine {lead}'s are taken, as vLLM's frontend holds one config")
     release, how = release_of_labels(frozenset(static))
@@ -168,7 +148,7 @@ def read_vllm(
         )
     except (InvalidPayload, msgspec.ValidationError) as error:
         invalid = error if isinstance(error, InvalidPayload) else InvalidPayload.from_msgspec(error)
-        raise ProbeFailed("invalid", f"label {invalid.field.removeprefix('$.')}: {invalid.reason}") from None
+        raise ProbeFailed("invalid", _named(invalid, release)) from None
     # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
     count = len(label_sets)
     now = time.time()
@@ -180,6 +160,14 @@ def read_vllm(
     }
     engines = {engine: engine_report(engine, now, b"", JSON) for engine in responses}
     return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
+
+
+def _named(invalid: InvalidPayload, release: Release) -> str:
+    """An impossible label named by the release's name for it and the rule it breaks, without its value."""
+    name = invalid.field.removeprefix("$.")
+    shown, quoted, rule = invalid.reason.rpartition(" is not ")
+    reason = f"its value is not {rule}" if quoted and shown[:1] in "'\"" else invalid.reason
+    return f"label {name if name in release.default_labels() else 'of a later build'}: {reason}"
 
 
 @dataclass(frozen=True)
@@ -236,9 +224,13 @@ class Prober:
         self.client = MetricsClient.from_settings(settings)
         self.max_seconds = settings.probe_timeout_seconds
         self.max_engines = settings.max_engines_per_deployment
+        self.max_running = settings.probe_max_concurrent
+        self.running = 0
+        self.turns = Turns()
         self.prefix = settings.metric_prefix
         self.info_labels = settings.info_labels()
         self.base_labels = dict(base_labels)
+        self._warned_busy = -BUSY_WARNING_SECONDS
         shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
         self.results = Counter(
             "cache_config_exporter_probes",
@@ -256,7 +248,28 @@ class Prober:
         return min(self.max_seconds, max(scrape_timeout - TIMEOUT_MARGIN_SECONDS, scrape_timeout / 2))
 
     async def probe(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
-        """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it."""
+        """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it, and
+        ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries)."""
+        self.allowlist.check(target)
+        if self.running >= self.max_running:
+            self._warn_busy()
+            raise TooManyProbes(None, f"{self.running} probes are running, the most {_MAX_RUNNING_FLAG} allows; "
+                                      "retry later")  # fmt: skip
+        self.running += 1
+        try:
+            outcome = await self._run(target, deployment, timeout)
+        finally:
+            self.running -= 1
+        self.results.labels(outcome.result).inc()
+        if outcome.success:
+            _log.debug("probe of %s succeeded in %.3f s", target.text, outcome.seconds)
+        else:
+            _log.info("probe of %s failed (%s) in %.3f s: %s", target.text, outcome.result, outcome.seconds,
+                      outcome.log[-1])  # fmt: skip
+        return outcome
+
+    async def _run(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
+        """Everything a probe does, within ``timeout``: at the deadline it stops wherever it is."""
         log = ProbeLog()
         log(f"probing {self.client.scheme}://{target.text}/metrics, timeout {timeout:g} s")
         series, result = b"", SUCCESS
@@ -267,29 +280,35 @@ class Prober:
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
-                body = await self.client.fetch(target, addresses, log)
-                log(f"read {len(body)} bytes")
-                text = body.decode("utf-8", "replace")
-                replica = await asyncio.to_thread(
-                    read_vllm, text, target, deployment, self.base_labels, self.max_engines, log
-                )
-            series = self._series(replica)
-            labels = replica.synced.labels
-            log(f"deployment {replica.deployment!r}: block_size {labels.get('block_size')}, "
-                f"mamba_block_size {labels.get('mamba_block_size')}")  # fmt: skip
+                body = TextReader(self.max_engines)
+                await self.client.fetch(target, addresses, log, self.turns, body)
+                log(f"read {body.bytes_read} bytes")
+                shown = await self.turns.run(body.finish())
+            # At most --limits.engines-per-deployment engines (1,024: 75 ms), off the loop; the request waits.
+            series = await asyncio.to_thread(self._answer, shown, target, deployment, log)
         except ProbeFailed as failure:
             result = failure.result
             log(failure.detail)
         except TimeoutError:
             result = "timeout"
             log(f"no complete answer within {timeout:g} s")
-        outcome = Outcome(result, log.seconds, series, list(log.lines))
-        self.results.labels(result).inc()
-        if outcome.success:
-            _log.debug("probe of %s succeeded in %.3f s", target.text, outcome.seconds)
-        else:
-            _log.info("probe of %s failed (%s) in %.3f s: %s", target.text, result, outcome.seconds, log.lines[-1])
-        return outcome
+        return Outcome(result, log.seconds, series, list(log.lines))
+
+    def _warn_busy(self) -> None:
+        """Say so, at most every ``BUSY_WARNING_SECONDS``: a flood of probes must not flood the log as well."""
+        now = time.monotonic()
+        if now - self._warned_busy >= BUSY_WARNING_SECONDS:
+            self._warned_busy = now
+            _log.warning("%d probes are running, the most %s allows: further probes get 503", self.running,
+                         _MAX_RUNNING_FLAG)  # fmt: skip
+
+    def _answer(self, shown: Shown, target: Target, deployment: str | None, log: ProbeLog) -> bytes:
+        """The cache-config series of what the target showed."""
+        replica = read_vllm(shown, target, deployment, self.base_labels, log)
+        labels = replica.synced.labels
+        log(f"deployment {replica.deployment!r}: block_size {labels.get('block_size')}, "
+            f"mamba_block_size {labels.get('mamba_block_size')}")  # fmt: skip
+        return self._series(replica)
 
     def _series(self, replica: Replica) -> bytes:
         """The replica's cache-config lines as ``/metrics`` renders them, without the families the probe cannot know."""

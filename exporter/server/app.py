@@ -1,7 +1,8 @@
 """The app factory: one request flows HTTP -> protocol decode -> sync -> store -> exposition -> /metrics.
 
 ``create_app`` wires one exporter's parts (store, state, credentials, telemetry,
-exposition) and its routes (``exporter/server/routes.py``). Refusals from any layer are
+exposition) and its routes (``exporter/server/routes.py``); with ``--probe.only``, only what
+``/probe`` needs (``exporter/server/routes_probe_only.py``), and no store. Refusals from any layer are
 answered here, through ``exporter/server/problems.py``'s table, and counted when they
 refuse a ready response.
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,7 +30,7 @@ from exporter.errors import Refused, StorageUnavailable
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.listing import DeploymentListing
 from exporter.exposition.rendering import Exposition
-from exporter.exposition.telemetry import Telemetry
+from exporter.exposition.telemetry import Telemetry, register_own_metrics
 from exporter.exposition.views import encode_view
 from exporter.probe.prober import Prober
 from exporter.security.auth import Credentials
@@ -49,6 +50,7 @@ from exporter.server.routes import (
     is_ingest,
     post_heartbeat,
 )
+from exporter.server.routes_probe_only import PROBE_ONLY_ENDPOINTS, ProbeOnly, get_own_metrics
 from exporter.state.exporter_state import ExporterState
 from exporter.state.replicas import Replica
 from exporter.state.storage import SqliteStore
@@ -73,13 +75,16 @@ _WITHOUT_TELEMETRY: dict[str, Any] = (
 )
 
 
-def _guarded(app: FastAPI, settings: Settings, credentials: Credentials, telemetry: Telemetry) -> frozenset[str] | None:
-    """Every refusal answered through the one table (and counted, for ingest), the request guard at the door and
-    the web config's headers on every answer; returns the Host names served besides loopback ones."""
+def _guarded(
+    app: FastAPI, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
+) -> frozenset[str] | None:
+    """Every refusal answered through the one table (and counted by ``reject``, for ingest, where there is
+    ingest), the request guard at the door and the web config's headers on every answer; returns the Host names
+    served besides loopback ones."""
 
     def answer(scope: Scope, request: Request, problem: Problem) -> Response:
-        if is_ingest(scope) and problem.reason != "http":
-            telemetry.reject(problem.reason)
+        if reject is not None and is_ingest(scope) and problem.reason != "http":
+            reject(problem.reason)
         return problem_response(request, problem)
 
     async def refuse(request: Request, error: Exception) -> Response:
@@ -99,14 +104,52 @@ def _guarded(app: FastAPI, settings: Settings, credentials: Credentials, telemet
     return allowed_hosts
 
 
+def _serving(
+    settings: Settings,
+    credentials: Credentials,
+    endpoints: Sequence[Endpoint],
+    metrics: Callable[[Request], Awaitable[Response]],
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    reject: Callable[[str], None] | None = None,
+) -> tuple[FastAPI, frozenset[str] | None]:
+    """An app serving ``endpoints``, then ``metrics`` at ``--web.telemetry-path``, documented by them and guarded
+    (``_guarded``); and the Host names it serves besides loopback ones."""
+    # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
+    app = FastAPI(
+        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+        **_WITHOUT_TELEMETRY,
+    )  # fmt: skip
+    served = (*endpoints, Endpoint(settings.telemetry_path, ("GET",), metrics, answers=EXPOSITION_MEDIA_TYPES))
+    document = openapi_document(app.title, app.version, served)
+    app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+    for endpoint in served:
+        app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
+    return app, _guarded(app, settings, credentials, reject)
+
+
+def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> FastAPI:
+    """``serve --probe.only``: /probe, the exporter's own metrics and health; no ingest routes and no store, so
+    it needs neither an ingest token nor a writable file system."""
+    register_own_metrics(registry)
+    registry.register(credentials)  # the reload state of the access files
+    prober = Prober(settings, settings.base_labels(), registry)
+    app, _ = _serving(settings, credentials, PROBE_ONLY_ENDPOINTS, get_own_metrics)
+    app.state.exporter = ProbeOnly(credentials, prober, registry)
+    app.state.quick_heartbeats = None  # no heartbeats to hear
+    return app
+
+
 def create_app(
     settings: Settings,
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.time,
 ) -> FastAPI:
-    """Build the exporter app with its own store, state, credentials and metrics registry."""
+    """Build the exporter app with its own store, state, credentials and metrics registry; with ``--probe.only``
+    one that opens no store (``_probe_only_app``)."""
     registry = registry if registry is not None else CollectorRegistry()
     credentials = Credentials.from_settings(settings)
+    if settings.probe_only:
+        return _probe_only_app(settings, registry, credentials)
     store = SqliteStore(settings.storage_path)
     lines = ReplicaLines(settings.metric_prefix, settings.info_labels())
 
@@ -136,24 +179,12 @@ def create_app(
         await run_in_threadpool(state.close)
         store.close()
 
-    # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
-    app = FastAPI(
-        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-        **_WITHOUT_TELEMETRY,
-    )  # fmt: skip
-    metrics = Endpoint(settings.telemetry_path, ("GET",), get_metrics, answers=EXPOSITION_MEDIA_TYPES)
-    document = openapi_document(app.title, app.version, (*ENDPOINTS, metrics))
-    app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+    app, allowed_hosts = _serving(settings, credentials, ENDPOINTS, get_metrics, lifespan, telemetry.reject)
     status = StatusPage(state, settings.telemetry_path, clock)
     app.state.exporter = Exporter(
-        state, credentials, telemetry, exposition, listing, status, settings.telemetry_path, clock,
-        settings.workers > 1, prober,
+        credentials, prober, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,
+        settings.workers > 1,
     )  # fmt: skip
-    for endpoint in ENDPOINTS:
-        app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
-    app.add_route(settings.telemetry_path, get_metrics, ["GET"], include_in_schema=False)
-
-    allowed_hosts = _guarded(app, settings, credentials, telemetry)
     # With a shared store a heartbeat is a commit, which only the app awaits.
     app.state.quick_heartbeats = (
         QuickHeartbeats(

@@ -32,6 +32,7 @@ from exporter.errors import (
     TooManyConnections,
     UnsupportedMediaType,
 )
+from exporter.probe.prober import TooManyProbes
 from exporter.security.auth import Unauthorized
 from exporter.security.bcrypt_checks import AuthenticationBusy
 from protocol import InvalidPayload, MalformedPayload, SyncConflict
@@ -90,6 +91,7 @@ REFUSALS: dict[type[Exception], Refusal] = {
     StorageUnavailable: Refusal(503, "Storage unavailable", "storage_unavailable", {"Retry-After": "1"}),
     Unauthorized: Refusal(401, "Unauthorized", "unauthorized"),
     AuthenticationBusy: Refusal(503, "Authentication busy", "auth_busy", {"Retry-After": "1"}),
+    TooManyProbes: Refusal(503, "Too many probes", "probes_busy", {"Retry-After": "1"}),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Self
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from exporter.config.addresses import is_loopback
 from exporter.config.settings import flag_of
@@ -31,6 +31,8 @@ from exporter.errors import (
     Refused,
     TooManyConnections,
 )
+from exporter.server import gc_freeze
+from exporter.server.pipelining import PipelineBoundProtocol, PipelineState
 from exporter.server.problems import PROBLEM_JSON, Problem, problem_document, problem_for
 
 # Answers a refusal made here (and counts it, as the app counts every refusal).
@@ -39,7 +41,7 @@ RefusalAnswer = Callable[[Scope, Problem], Response]
 CAP_LOG_SECONDS = 10.0
 
 
-class ConnectionState:
+class ConnectionState(PipelineState):
     """What the exporter's protocol keeps per connection beyond uvicorn's, in one attribute with slots.
 
     uvicorn's protocol has 28 attributes; CPython keeps an instance's ``__dict__`` as a small table of values
@@ -50,6 +52,7 @@ class ConnectionState:
     __slots__ = ("head_begun", "header_room", "header_timer")
 
     def __init__(self, header_room: int) -> None:
+        super().__init__()
         # Bytes the current request's line and headers may still take; None once they are in.
         self.header_room: int | None = header_room
         self.header_timer: asyncio.TimerHandle | None = None
@@ -57,10 +60,11 @@ class ConnectionState:
         self.head_begun = False
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with 431 once a request's line and headers pass ``max_header_bytes``,
-    and 408 when they take longer than ``header_timeout`` seconds (counted from the connection's start or
-    the request's first byte), so neither a huge header nor a slow-header client can hold memory or a slot.
+class GuardedHttpToolsProtocol(PipelineBoundProtocol):
+    """uvicorn's httptools protocol (its pipelining bounded) with 431 once a request's line and headers pass
+    ``max_header_bytes``, and 408 when they take longer than ``header_timeout`` seconds (counted from the
+    connection's start or the request's first byte), so neither a huge header nor a slow-header client can hold
+    memory or a slot.
     A connection past the cap (``limit_concurrency``) closes a kept-alive connection that waits idle for its
     next request (a client reconnects to send it), or, when none is idle, is answered 503 and closed at once,
     before it sends anything: idle connections cannot take every file descriptor, and kept-alive ones
@@ -87,6 +91,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        gc_freeze.connection_opened()
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) >= limit and not self._close_an_idle_connection():
             self._at_cap(limit)
@@ -117,34 +122,35 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+        gc_freeze.connection_closed()
 
-    def data_received(self, data: bytes) -> None:
-        """Parse ``data`` within the header room; a head still incomplete after it is timed from now on.
+    def _fed(self) -> None:
+        """A head still incomplete after a read is timed from now on.
 
         Timed here rather than as the head begins: a request whose head comes in one read (a heartbeat, most
         requests) then arms and cancels no timer."""
-        self._receive(data)
         connection = self._connection
         if connection.head_begun and connection.header_timer is None and not self.transport.is_closing():
             self._arm_header_timer()
 
-    def _receive(self, data: bytes) -> None:
+    def _parse(self, data: bytes) -> None:
+        """Parse ``data`` within the header room."""
         connection = self._connection
         room = connection.header_room
         if room is None or len(data) <= room:
             if room is not None:
                 connection.header_room = room - len(data)
-            super().data_received(data)
+            super()._parse(data)
             return
         connection.header_room = 0
-        super().data_received(data[:room])
+        super()._parse(data[:room])
         if self.transport.is_closing():
             return
         if connection.header_room == 0:  # the headers are still not complete, and their room is used up
             detail = f"the request line and headers are limited to {self.max_header_bytes} bytes"
             self._refuse(HeadersTooLarge("headers", detail))
             return
-        self._receive(data[room:])
+        self._parse(data[room:])
 
     # Parser callbacks
     def on_message_begin(self) -> None:

@@ -71,11 +71,18 @@ from protocol.ready_response import MSGPACK
 
 
 @dataclass(frozen=True)
-class Exporter:
-    """What the handlers of one app work with (``app.state.exporter``)."""
+class Probing:
+    """What ``/probe`` works with, in every app (``app.state.exporter``), a probe-only one's too."""
+
+    credentials: Credentials
+    prober: Prober
+
+
+@dataclass(frozen=True)
+class Exporter(Probing):
+    """What the handlers of an exporter that ingests and stores work with (``app.state.exporter``)."""
 
     state: ExporterState
-    credentials: Credentials
     telemetry: Telemetry
     exposition: Exposition
     listing: DeploymentListing
@@ -84,11 +91,15 @@ class Exporter:
     clock: Callable[[], float]
     # Several worker processes share the store: a read first loads what the others committed.
     shared_store: bool
-    prober: Prober
 
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def _probing(request: Request) -> Probing:
+    probing: Probing = request.app.state.exporter
+    return probing
 
 
 def _exporter(request: Request) -> Exporter:
@@ -360,7 +371,7 @@ def _scrape_timeout(request: Request) -> float | None:
 
 async def get_probe(request: Request) -> Response:
     """Probe a stock vLLM server's /metrics and answer its true cache config (Prometheus' multi-target pattern)."""
-    exporter = _exporter(request)
+    exporter = _probing(request)
     await exporter.credentials.require_reader(request)
     query = parse_query(request, ProbeQuery)
     try:

@@ -22,16 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import msgspec
 
-from exporter.errors import LimitExceeded, Refused, UnknownReplica
+from exporter.errors import UnknownReplica
 from exporter.state.limits import ByteBudget, Limits
-from exporter.state.replicas import Replica, ReplicaKey, build_replica, engine_report, stored_engine, stored_replica
+from exporter.state.ready_arrays import EngineReady, ReadyArray, Taken, within_budget
+from exporter.state.replicas import Replica, ReplicaKey, build_replica, stored_engine, stored_replica
 from exporter.state.storage import Store, StoredEngine
 from exporter.state.writer import Batch
-from protocol import EngineCoreReadyResponse, InvalidPayload, check_agreement, is_set
 
 log = logging.getLogger("cache_config_exporter.state")
 
@@ -51,15 +50,6 @@ class Rules:
     # Several processes share the store: each one's expiry reads the others' heartbeats from it, so a heartbeat
     # is committed like any change rather than kept in memory until a checkpoint.
     store_heartbeats: bool = False
-
-
-class EngineReady(NamedTuple):
-    """One engine's ready response as received: decoded, and its bytes with their wire format."""
-
-    engine: int
-    response: EngineCoreReadyResponse
-    payload: bytes
-    wire_format: str
 
 
 @dataclass(frozen=True)
@@ -107,111 +97,35 @@ def ready(
 
     As if each were taken in turn: a new ``instance_id`` drops the replica's previous run's engines (and no
     other replica's), a later response of an engine replaces an earlier one. A refused response changes
-    nothing and the next ones go on from the last accepted state. The byte budget is checked on the replica
-    as it would be committed (one measure, however many engines came); only when that is past the budget are
-    the responses measured one by one, to refuse those that take it there.
+    nothing and the next ones go on from the last accepted state. One pass takes them, and the replica they
+    make is synced once and measured once; past the byte budget the array is cut where it crosses it
+    (``exporter/state/ready_arrays.py``).
     """
-    taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=False)
-    if taken.accepted and rules.budget is not None:
-        try:
-            taken.size = _measured(rules, batch, key, taken.updated)
-        except LimitExceeded:
-            taken = _take(rules, batch, key, reports, heartbeat_seconds, measure_each=True)
-    if taken.accepted:
-        batch.stage(key, taken.updated, _save(taken.updated), *taken.writes, size=taken.size)
-        batch.counts["accepted"] += taken.accepted
-    return ReadyOutcome(taken.updated, taken.refused)
+    array = ReadyArray(rules.limits, batch, key, reports, rules.wall())
+    taken = array.take()
+    current = array.current
+    if not taken.accepted:
+        return ReadyOutcome(current, taken.refused)
+    static = current.static_labels if current else {}
+    heartbeat, seen = _promised(current, heartbeat_seconds), rules.monotonic()
 
+    def replica_of(taken: Taken) -> Replica:
+        return build_replica(key, taken.instance_id, static, heartbeat, array.now, taken.engines, rules.base_labels,
+                             seen=seen, responses=taken.responses)  # fmt: skip
 
-@dataclass
-class _Taken:
-    """What a run over the responses took: the replica after the accepted ones, their writes and refusals."""
-
-    updated: Replica | None
-    size: int | None = None
-    writes: list[Callable[[Store], None]] = field(default_factory=list)
-    accepted: int = 0
-    refused: dict[int, Exception] = field(default_factory=dict)
-
-
-def _take(
-    rules: Rules,
-    batch: Batch,
-    key: ReplicaKey,
-    reports: Sequence[EngineReady],
-    heartbeat_seconds: float | None,
-    measure_each: bool,
-) -> _Taken:
-    if not measure_each:
-        together = _take_together(rules, batch, key, reports, heartbeat_seconds)
-        if together is not None:
-            return together
-    taken = _Taken(batch.get(key))
-    for report in reports:
-        try:
-            base = _existing_or_room(rules, batch, key) if taken.updated is None else taken.updated
-            candidate, restarted = _with_engine(rules, key, base, report, heartbeat_seconds)
-            size = _measured(rules, batch, key, candidate) if measure_each else None
-        except (Refused, InvalidPayload) as error:
-            taken.refused[report.engine] = error
-            continue
-        taken.updated, taken.size, taken.accepted = candidate, size, taken.accepted + 1
-        taken.refused.pop(report.engine, None)
-        if restarted:
-            taken.writes.append(functools.partial(_delete_engines, key))
-        taken.writes.append(
-            functools.partial(_save_engine, key, report.engine, stored_engine(candidate.engines[report.engine]))
-        )
-    return taken
-
-
-def _take_together(
-    rules: Rules, batch: Batch, key: ReplicaKey, reports: Sequence[EngineReady], heartbeat_seconds: float | None
-) -> _Taken | None:
-    """The responses taken with one sync, of the replica they make at the end; ``None`` when they must be taken
-    one by one.
-
-    Taken in turn, each response makes a set of engines that the sync checks; what the sync refuses is engines that
-    disagree (``check_agreement``). So each set on the way is checked for that alone, and the replica is synced once.
-    Any refusal, or a restart after the first response (it drops engines taken before it), is left to the turn by
-    turn way, which names the response refused and stages the writes in their order.
-    """
-    current = batch.get(key)
-    engines = dict(current.engines) if current else {}
-    instance_id = current.instance_id if current else None
-    restarted = False
-    now = rules.wall()
-    try:
-        if current is None:
-            rules.limits.check_new_replica(batch, key)
-        responses: dict[int, EngineCoreReadyResponse] | None = None
-        for report in reports:
-            response = report.response
-            if is_set(response.instance_id) and response.instance_id != instance_id:
-                if report is not reports[0]:
-                    return None
-                restarted, instance_id = bool(engines), response.instance_id
-                engines.clear()
-            if responses is None:  # the engines kept from before, decoded once
-                responses = {engine: kept.response() for engine, kept in engines.items()}
-            if report.engine not in engines:
-                rules.limits.check_new_engine(key, len(engines))
-            engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
-            responses[report.engine] = response
-            check_agreement(list(responses.values()))
-        static_labels = current.static_labels if current else {}
-        updated = build_replica(
-            key, instance_id, static_labels, _promised(current, heartbeat_seconds), now, engines, rules.base_labels,
-            seen=rules.monotonic(), responses=responses,
-        )  # fmt: skip
-    except (Refused, InvalidPayload):
-        return None
-    writes: list[Callable[[Store], None]] = [functools.partial(_delete_engines, key)] if restarted else []
+    if rules.budget is None:
+        updated, size = replica_of(taken), None
+    else:
+        taken, updated, size = within_budget(rules.budget, array, taken, replica_of)
+    if updated is None:
+        return ReadyOutcome(current, taken.refused)
+    writes: list[Callable[[Store], None]] = [functools.partial(_delete_engines, key)] if taken.drops_stored else []
     writes.extend(
-        functools.partial(_save_engine, key, report.engine, stored_engine(updated.engines[report.engine]))
-        for report in reports
+        functools.partial(_save_engine, key, engine, stored_engine(updated.engines[engine])) for engine in taken.saved
     )
-    return _Taken(updated, writes=writes, accepted=len(reports))
+    batch.stage(key, updated, _save(updated), *writes, size=size)
+    batch.counts["accepted"] += taken.accepted
+    return ReadyOutcome(updated, taken.refused)
 
 
 def _delete_engines(key: ReplicaKey, store: Store) -> None:
@@ -220,29 +134,6 @@ def _delete_engines(key: ReplicaKey, store: Store) -> None:
 
 def _save_engine(key: ReplicaKey, engine: int, stored: StoredEngine, store: Store) -> None:
     store.save_engine(*key, engine, stored)
-
-
-def _with_engine(
-    rules: Rules, key: ReplicaKey, current: Replica | None, report: EngineReady, heartbeat_seconds: float | None
-) -> tuple[Replica, bool]:
-    """The replica with one more engine response, and whether it restarted (a new ``instance_id``)."""
-    engines = dict(current.engines) if current else {}
-    instance_id = current.instance_id if current else None
-    response = report.response
-    restarted = is_set(response.instance_id) and response.instance_id != instance_id
-    if restarted:
-        engines.clear()
-        instance_id = response.instance_id
-    if report.engine not in engines:
-        rules.limits.check_new_engine(key, len(engines))
-    now = rules.wall()
-    engines[report.engine] = engine_report(report.engine, now, report.payload, report.wire_format)
-    static_labels = current.static_labels if current else {}
-    heartbeat = _promised(current, heartbeat_seconds)
-    replica = build_replica(
-        key, instance_id, static_labels, heartbeat, now, engines, rules.base_labels, seen=rules.monotonic()
-    )
-    return replica, restarted and current is not None and bool(current.engines)
 
 
 def static_labels(

@@ -136,7 +136,7 @@ class ExporterState:
         each is checked alone (caps, byte budget, sync): a refused one is named in ``ReadyOutcome.refused`` and
         the others go on. The future fails only with ``StorageUnavailable``: then nothing was accepted.
         """
-        return self._submit(changes.ready, key, tuple(reports), heartbeat_seconds)
+        return self._submit(changes.ready, key, tuple(reports), heartbeat_seconds, weight=len(reports))
 
     def set_static_labels(
         self, key: ReplicaKey, static_labels: Mapping[str, str], heartbeat_seconds: float | None = None
@@ -161,7 +161,7 @@ class ExporterState:
     def settled(self) -> Future[object] | None:
         """``None`` when every heartbeat heard is in the state; else a future done once they are (a read waits
         for it, so it shows what was answered)."""
-        return self._writer.submit(_nothing, writes=False) if self._liveness.pending() else None
+        return self._writer.settle() if self._liveness.pending() else None
 
     def delete_replica(self, key: ReplicaKey) -> Future[object]:
         """Forget a replica (its sender said goodbye); the future's result says whether there was one."""
@@ -175,13 +175,9 @@ class ExporterState:
         """Forget one engine; the future's result is the updated replica, or ``None`` if there was no such engine."""
         return self._submit(changes.delete_engine, key, engine)
 
-    def _submit(self, rule: Callable[..., object], *arguments: object, writes: bool = True) -> Future[object]:
-        """Submit ``rule(rules, batch, *arguments)``; ``writes=False`` for a rule that never writes to the store."""
-        return self._writer.submit(lambda batch: rule(self._rules, batch, *arguments), writes)
-
-
-def _nothing(batch: Batch) -> None:
-    """A change that changes nothing: its batch folds in what was heard."""
+    def _submit(self, rule: Callable[..., object], *arguments: object, weight: int = 1) -> Future[object]:
+        """Submit ``rule(rules, batch, *arguments)``, which takes ``weight`` ready responses."""
+        return self._writer.submit(lambda batch: rule(self._rules, batch, *arguments), weight=weight)
 
 
 T = TypeVar("T")

@@ -68,13 +68,29 @@ class ByteBudget:
     def check(self, batch: Staged, key: ReplicaKey, updated: Replica) -> int:
         """What ``updated`` takes; refuse it when it would take the replicas past the budget (a change that
         does not grow the replica passes, even over a lowered budget)."""
-        before = batch.size(key)
         size = self.measure(updated)
-        used = batch.used_bytes - before + size
-        if size > before and used > self._budget:
-            raise LimitExceeded(
-                "bytes",
-                f"replica {key[1]!r} of {key[0]!r} would take the exposition and JSON state to {used} bytes, past "
-                f"the budget of {self._budget} bytes (--limits.bytes)",
-            )
+        if size > self.room(batch, key):
+            raise self.past(batch, key, size)
         return size
+
+    def room(self, batch: Staged, key: ReplicaKey) -> int:
+        """The most the replica may take: what the others leave of the budget, or at least what it takes now."""
+        before = batch.size(key)
+        return max(before, self._budget - batch.used_bytes + before)
+
+    def past(self, batch: Staged, key: ReplicaKey, size: int) -> LimitExceeded:
+        """The refusal of the replica taking ``size`` bytes, past its ``room``."""
+        used = batch.used_bytes - batch.size(key) + size
+        return LimitExceeded(
+            "bytes",
+            f"replica {key[1]!r} of {key[0]!r} would take the exposition and JSON state to {used} bytes, past "
+            f"the budget of {self._budget} bytes (--limits.bytes)",
+        )
+
+    def full(self, key: ReplicaKey) -> LimitExceeded:
+        """The refusal of a response after the one that took the replica to the budget, in one array."""
+        return LimitExceeded(
+            "bytes",
+            f"replica {key[1]!r} of {key[0]!r} is at the budget of {self._budget} bytes (--limits.bytes) with the "
+            "responses before this one in its array, and one of them was refused for it",
+        )

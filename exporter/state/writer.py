@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -36,12 +35,11 @@ from exporter.errors import Refused, StorageUnavailable
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, ReplicaKey
 from exporter.state.storage import LastSeen, Store
+from exporter.state.write_queue import Job, WriteQueue
 from protocol import InvalidPayload
 
 log = logging.getLogger("cache_config_exporter.writer")
 
-# Changes taken into one transaction at most; bounds the latency one commit adds.
-MAX_BATCH = 512
 # While the store is failing, how often the writer probes it to notice recovery.
 PROBE_INTERVAL_SECONDS = 0.5
 # How often an idle writer runs its housekeeping (heartbeat expiry): the precision of expiry.
@@ -199,14 +197,14 @@ def _answer(outcomes: list[Outcome]) -> None:
             future.set_exception(refused)
 
 
-def _fail(jobs: list[tuple[Change, Future[object], bool]], outcomes: list[Outcome], error: BaseException) -> None:
+def _fail(jobs: list[Job], outcomes: list[Outcome], error: BaseException) -> None:
     """A batch that did not commit: a change refused on its own keeps its refusal, every other fails with ``error``."""
     answered = {id(future) for future, _, _ in outcomes}
     for future, _, refused in outcomes:
         future.set_exception(refused or error)
-    for _, future, _ in jobs:
-        if id(future) not in answered:
-            future.set_exception(error)
+    for job in jobs:
+        if id(job.future) not in answered:
+            job.future.set_exception(error)
 
 
 def _last_seen(unsaved: set[ReplicaKey], batch: Batch) -> list[LastSeen]:
@@ -255,18 +253,24 @@ class Writer:
         # Bumped whenever what the replicas show may have changed; caches key on it.
         self.version = 0
         self.storage_error: str | None = None
-        self._queue: queue.SimpleQueue[tuple[Change, Future[object], bool] | None] = queue.SimpleQueue()
+        self._queue = WriteQueue()
         self._thread = threading.Thread(target=self._run, name="cache-config-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, change: Change, writes: bool = True) -> Future[object]:
+    def submit(self, change: Change, writes: bool = True, weight: int = 1) -> Future[object]:
         """Queue a change; its future gets the change's result once committed, or its refusal.
 
         ``writes=False``: the change only reads or touches; a batch of such changes alone takes no write lock.
+        ``weight``: the ready responses it takes (a batch takes ``MAX_BATCH`` at most).
         """
         future: Future[object] = Future()
-        self._queue.put((change, future, writes))
+        self._queue.put(Job(change, future, writes, weight))
         return future
+
+    def settle(self) -> Future[object]:
+        """A future done once what was heard before this call (heartbeats) is folded in and committed; the writer
+        folds it in before it takes the changes queued, so it waits for the batch under way at most."""
+        return self._queue.settle()
 
     def refresh(self) -> Future[object]:
         """Load what other processes committed; a batch of refreshes alone reads in a read transaction,
@@ -280,30 +284,25 @@ class Writer:
 
     def _run(self) -> None:
         while True:
-            try:
-                timeout = PROBE_INTERVAL_SECONDS if self.storage_error else FOLD_SECONDS
-                first = self._queue.get(timeout=timeout)
-            except queue.Empty:
+            if self._queue.settling():  # reads wait for what was heard: a batch of no change for them first
+                self._commit([], False, False)
+            jobs = self._queue.batch(PROBE_INTERVAL_SECONDS if self.storage_error else FOLD_SECONDS)
+            if jobs is None:
                 due = self._housekeeping_is_due()
                 checkpoint = self._checkpoint_is_due()
                 if self.storage_error or due or checkpoint or self._housekeeping.pending():
                     self._commit([], due, checkpoint)
                 continue
-            jobs = [first]
-            while len(jobs) < MAX_BATCH and jobs[-1] is not None:
-                try:
-                    jobs.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = jobs[-1] is None
+            stop = bool(jobs) and jobs[-1] is None
             checkpoint = stop or self._checkpoint_is_due()
             self._commit([job for job in jobs if job is not None], self._housekeeping_is_due(), checkpoint)
             if stop:
                 return
 
-    def _commit(self, jobs: list[tuple[Change, Future[object], bool]], housekeeping: bool, checkpoint: bool) -> None:
-        outcomes: list[Outcome] = []
-        writing = housekeeping or checkpoint or any(writes for _, _, writes in jobs)
+    def _commit(self, jobs: list[Job], housekeeping: bool, checkpoint: bool) -> None:
+        settling = self._queue.begin()
+        outcomes: list[Outcome] = [(future, None, None) for future in settling]
+        writing = housekeeping or checkpoint or any(job.writes for job in jobs)
         try:
             with self._transaction(writing):
                 if self._shared and self._store.changed_elsewhere():
@@ -315,7 +314,7 @@ class Writer:
                 self._housekeeping.fold(batch)
                 if housekeeping:
                     self._housekeeping.run(batch)
-                for change, future, _ in jobs:
+                for change, future, _, _ in jobs:
                     try:
                         outcomes.append((future, change(batch), None))
                     except (InvalidPayload, Refused) as refused:

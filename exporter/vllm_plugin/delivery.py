@@ -84,9 +84,9 @@ class Delivery:
                 verdict = self._outbox.record(attempt, outcome, time.monotonic())
                 self._condition.notify_all()
             self._log(attempt, outcome, verdict, failing)
-        if self._goodbye:
-            self._say_goodbye()
-        self._connection.close()
+        with self._condition:
+            calls = self._outbox.goodbyes() if self._goodbye else []
+        self.leave(calls)
 
     def _next_attempt(self) -> Attempt | None:
         """The next request to make, once it is due; ``None`` when closed."""
@@ -126,16 +126,17 @@ class Delivery:
             if failing:
                 logger.info("cache-config-exporter: %s is reachable again", self.url)
 
-    def _say_goodbye(self) -> None:
-        """Remove this server's replicas from the exporter: vLLM is shutting down cleanly. One attempt each."""
-        with self._condition:
-            calls = self._outbox.goodbyes()
-        for call in calls:
+    def leave(self, goodbyes: list[sender.Call]) -> None:
+        """Say the ``goodbyes`` that remove this server's replicas from the exporter (vLLM is shutting down
+        cleanly), one attempt each, then close the connection: nothing more goes to this exporter. The delivery
+        thread's last act; called from elsewhere only once that thread is gone or never ran."""
+        for call in goodbyes:
             outcome = self._send(call)
             if not isinstance(outcome, sender.Accepted):
                 logger.debug(
                     "cache-config-exporter: goodbye failed: %s", self._redacted(self._described(call, outcome))
                 )
+        self._connection.close()
 
     def _send(self, call: sender.Call) -> sender.Outcome:
         """One request, with the token as it is now; a token that cannot be sent counts as unreachable."""

@@ -71,11 +71,26 @@ def group_of(group: Any, vllm_config: Any) -> KVCacheGroup:
 
 
 def groups_of(kv_cache_config: Any, vllm_config: Any) -> KVCacheGroups:
-    """The scheduler's ``KVCacheConfig``: its groups in vLLM's order, the shared pool's blocks, the hash block."""
+    """The scheduler's ``KVCacheConfig``: its groups in vLLM's order, the shared pool's blocks, and what the engine
+    core resolved for prefix caching (0.32+), which vLLM's frontend never learns."""
     return KVCacheGroups(
         num_blocks=kv_cache_config.num_blocks,
         groups=[group_of(group, vllm_config) for group in kv_cache_config.kv_cache_groups],
         hash_block_size=_optional(lambda: kv_cache_config.hash_block_size),
+        cache_hit_alignment_tokens=_optional(lambda: kv_cache_config.cache_hit_alignment_tokens),
+    )
+
+
+def _log_groups(groups: KVCacheGroups) -> None:
+    """Say in vLLM's log, from the engine-core process, what the ready response carries: an operator (and the
+    real-vLLM test) can hold it against the exporter's series."""
+    logger.info(
+        "cache-config-exporter: the engine core's KV-cache config: %d blocks, group block sizes %s, "
+        "hash_block_size %s, cache_hit_alignment_tokens %s",
+        groups.num_blocks,
+        tuple(group.block_size for group in groups.groups),
+        groups.hash_block_size,
+        groups.cache_hit_alignment_tokens,
     )
 
 
@@ -100,11 +115,13 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def _make_ready_response(self: Any, *args: Any, **kwargs: Any) -> Any:
         response = original(self, *args, **kwargs)
         try:
-            kv_cache_config = self.scheduler.kv_cache_config
-            return with_groups(response, groups_of(kv_cache_config, self.vllm_config))
+            groups = groups_of(self.scheduler.kv_cache_config, self.vllm_config)
+            extended = with_groups(response, groups)
         except Exception as error:
             logger.warning("cache-config-exporter: cannot read the engine core's KV-cache groups: %r", error)
             return response
+        _log_groups(groups)
+        return extended
 
     setattr(_make_ready_response, PATCHED_ATTRIBUTE, True)
     return _make_ready_response

@@ -28,13 +28,11 @@ heartbeat keeps the replica alive; a heartbeat the exporter does not know
 In the engine-core process, ``engine_groups`` adds the engine's
 own KV-cache groups to the ready response it builds, so they arrive here with it.
 
-A clean shutdown of vLLM says goodbye as soon as vLLM has shut its client down
-(``MPClient.shutdown`` is wrapped too): each API-server process of
-``--api-server-count`` or data parallelism does that as it stops, and vLLM's
-main process may kill them right after, before any exit handler. Otherwise the
-exit of the process says it (``atexit`` in the main process, multiprocessing's
-exit function in its children). Nothing ever raises into vLLM or waits for an
-exporter.
+A clean shutdown of vLLM says goodbye, once per replica. A server with one API server says it as soon as vLLM
+has shut its client down (``MPClient.shutdown`` is wrapped too), or else at the exit of the process
+(``atexit`` in a main process, multiprocessing's exit function in its children). A server with several
+(``--api-server-count``, or a dense model's data parallelism) says it from vLLM's main process once it has
+stopped them (``api_servers``). Nothing ever raises into vLLM, and a goodbye waits at most the timeout.
 
 Imports only the standard library and ``protocol`` (with msgspec, vLLM's own dependency, which vLLM loaded
 before any plugin), and vLLM only once vLLM calls in, so that loading the plugin costs next to nothing where it
@@ -48,10 +46,12 @@ import importlib
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from exporter.vllm_plugin import api_servers, sender
 from exporter.vllm_plugin.delivery import Delivery
 from exporter.vllm_plugin.outbox import Update
 from exporter.vllm_plugin.target import Target, deployment_of, replica_of
@@ -104,7 +104,7 @@ class Forwarder:
             return
         try:
             engine, run = engine_and_run(payload)
-            deployment = deployment_of(client, self._target.deployment)
+            deployment = deployment_of(getattr(client, "vllm_config", None), self._target.deployment)
             update = Update(deployment, self.replica, static_config_of(client), engine, run, bytes(payload))
         except Exception as error:
             logger.warning("cache-config-exporter: cannot read the ready response or vLLM's config: %r", error)
@@ -139,13 +139,38 @@ class Forwarder:
     def goodbye(self) -> None:
         """At vLLM's clean shutdown or exit: every exporter forgets this replica at once, and nothing more is sent.
 
-        Once per process, only in the process that forwards; waits at most the timeout in all.
+        Once per process, only in the process that forwards, and not in an API server whose parent says it;
+        waits at most the timeout in all.
         """
         if self._goodbye_pid != os.getpid() or self._said_goodbye:
             # A forked child inherits the forwarder, not the server: it must not remove the parent's replica.
             return
         self._said_goodbye = True
-        threads = [delivery.close(goodbye=True) for delivery in self.deliveries]
+        if api_servers.parent_says_goodbye():
+            # No more heartbeats: vLLM's main process says the goodbye once this process is gone.
+            for delivery in self.deliveries:
+                delivery.close()
+            return
+        self._join_within_timeout([delivery.close(goodbye=True) for delivery in self.deliveries])
+
+    def goodbye_for_api_servers(self, vllm_config: object) -> None:
+        """In vLLM's main process, once its API servers are gone: the goodbye they leave to it, for the deployment
+        ``vllm_config`` names as theirs does. Once; waits at most the timeout in all."""
+        if self._said_goodbye:
+            return
+        self._said_goodbye = True
+        goodbye = sender.goodbye_call(deployment_of(vllm_config, self._target.deployment), self.replica)
+        # Nothing was offered here, so no delivery thread ever ran: one thread per exporter says the goodbye.
+        threads = [
+            threading.Thread(target=delivery.leave, args=([goodbye],), daemon=True) for delivery in self.deliveries
+        ]
+        for delivery, thread in zip(self.deliveries, threads, strict=True):
+            delivery.close()
+            thread.start()
+        self._join_within_timeout(threads)
+
+    def _join_within_timeout(self, threads: Sequence[threading.Thread | None]) -> None:
+        """Wait for the goodbye ``threads`` together, at most the timeout: a hanging exporter delays no one."""
         deadline = time.monotonic() + self._target.timeout_seconds
         for thread in threads:
             if thread is not None:
@@ -171,23 +196,6 @@ def _forwarding(original: Callable[..., Any], forwarder: Forwarder) -> Callable[
 
     setattr(_apply_ready_response, FORWARDER_ATTRIBUTE, forwarder)
     return _apply_ready_response
-
-
-def _saying_goodbye(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
-    """``MPClient.shutdown`` that says goodbye once vLLM's own shutdown is over (also when that raised).
-
-    Each API-server process of a vLLM server shuts its client down as it stops; vLLM's main process may kill
-    it right after (``--shutdown-timeout`` 0), before any exit handler runs.
-    """
-
-    @functools.wraps(original)
-    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            forwarder.goodbye()
-
-    return shutdown
 
 
 def register() -> None:
@@ -221,7 +229,9 @@ def register() -> None:
     client_class._apply_ready_response = _forwarding(original, forwarder)
     shutdown = getattr(client_class, "shutdown", None)
     if callable(shutdown):
-        client_class.shutdown = _saying_goodbye(shutdown, forwarder)
+        # An API server shuts its client down as it stops, and may be killed right after, before any exit handler.
+        client_class.shutdown = api_servers.followed_by(shutdown, forwarder.goodbye)
+    api_servers.install(forwarder.goodbye_for_api_servers)
     # In vLLM's API server this runs before vLLM sets up its log handler, so the line shows in the
     # engine core's and workers' log; the frontend logs the deployment's line with its first payload.
     logger.info("cache-config-exporter: forwarding ready responses to %s", ", ".join(target.urls))

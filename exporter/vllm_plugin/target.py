@@ -130,15 +130,16 @@ def replica_of(configured: str | None, argv: Sequence[str] | None = None, host: 
     return fit_replica_name(f"{host if host is not None else socket.gethostname()}:{port}")
 
 
-def deployment_of(client: object, configured: str | None) -> str:
-    """The configured deployment, else vLLM's (first) served model name, else ``default``, fit for the exporter.
+def deployment_of(vllm_config: object, configured: str | None) -> str:
+    """The configured deployment, else the (first) served model name of ``vllm_config``, vLLM's ``VllmConfig``,
+    else ``default``, fit for the exporter.
 
     A model served by path is named after the path's last component: the whole
     path says where the files lie on one machine, not what is served.
     """
     if configured:
         return fit_deployment_name(configured)
-    model_config = getattr(getattr(client, "vllm_config", None), "model_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
     name = getattr(model_config, "served_model_name", None)
     if isinstance(name, list | tuple):
         name = name[0] if name else None

@@ -3,6 +3,9 @@ their settings run by a real exporter, and the systemd unit checked by systemd-a
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import json
 import os
 import re
 import secrets
@@ -20,7 +23,8 @@ import yaml
 from exporter.cli import build_parser
 from exporter.config.option import ENV_PREFIX
 from tests.helpers.http import request
-from tests.helpers.prometheus import RULES
+from tests.helpers.prometheus import RULES, promtool
+from tests.probe.test_probe import pod_discovery_as_files, promtool_discovers_kubernetes, readme_configs
 from tests.support import ExporterProcess, require_binary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +34,18 @@ KUBERNETES = REPO / "deploy" / "kubernetes"
 EXPORTER = KUBERNETES / "exporter"
 OPERATOR = KUBERNETES / "prometheus-operator"
 VLLM_EXAMPLE = KUBERNETES / "examples" / "vllm.yaml"
+PROBE = KUBERNETES / "probe"
+# Every folder of manifests, and every kustomization an operator applies (each without and with the Operator's).
+FOLDERS = [EXPORTER, OPERATOR, PROBE / "exporter", PROBE / "prometheus-operator"]
+BUILDS = {
+    KUBERNETES: ["NetworkPolicy", "Service", "StatefulSet"],
+    KUBERNETES / "with-prometheus-operator": ["NetworkPolicy", "PrometheusRule", "Service", "ServiceMonitor",
+                                             "StatefulSet"],
+    PROBE: ["Deployment", "NetworkPolicy", "Service"],
+    PROBE / "with-prometheus-operator": ["Deployment", "NetworkPolicy", "Service", "ServiceMonitor"],
+}  # fmt: skip
+# The one namespace of the exporters and of the vLLM servers (Prometheus runs in monitoring).
+NAMESPACE = "vllm"
 UNIT = REPO / "deploy" / "systemd" / "cache-config-exporter.service"
 # The oldest Kubernetes release still commonly run, and the newest the validator knows.
 KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -48,6 +64,12 @@ def manifests() -> dict[str, dict[str, Any]]:
     return {document["kind"]: document for document in documents}
 
 
+def vllm_example() -> dict[str, dict[str, Any]]:
+    """deploy/kubernetes/examples/vllm.yaml by kind: the vLLM Deployment and its Service."""
+    return {document["kind"]: document for document in yaml.safe_load_all(VLLM_EXAMPLE.read_text())}
+
+
+@functools.cache
 def kustomize(folder: Path) -> list[dict[str, Any]]:
     """``kubectl kustomize FOLDER``: what ``kubectl apply -k`` would apply."""
     built = subprocess.run(
@@ -55,6 +77,22 @@ def kustomize(folder: Path) -> list[dict[str, Any]]:
     )
     assert built.returncode == 0, built.stderr
     return list(yaml.safe_load_all(built.stdout))
+
+
+def rendered(folder: Path) -> dict[str, dict[str, Any]]:
+    """What ``kubectl apply -k FOLDER`` would apply, by kind."""
+    return {document["kind"]: document for document in kustomize(folder)}
+
+
+def service_address(service: dict[str, Any]) -> str:
+    """Where a Service is reached from other namespaces: NAME.NAMESPACE.svc:PORT."""
+    (port,) = service["spec"]["ports"]
+    return f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port['port']}"
+
+
+def operator_spelling(rule: dict[str, Any]) -> dict[str, Any]:
+    """A Prometheus relabelling rule as the Prometheus Operator spells it: ``source_labels`` is ``sourceLabels``."""
+    return {re.sub(r"_(\w)", lambda letter: letter.group(1).upper(), key): value for key, value in rule.items()}
 
 
 def readme_secret() -> tuple[str, str]:
@@ -68,44 +106,63 @@ def serve_variables() -> set[str]:
     return {ENV_PREFIX + dest.upper() for dest in vars(build_parser().parse_args(["serve"])) if dest != "command"}
 
 
-@pytest.mark.parametrize("folder", [EXPORTER, OPERATOR], ids=lambda folder: folder.name)
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda folder: str(folder.relative_to(KUBERNETES)))
 def test_each_kustomization_lists_every_manifest_of_its_folder(folder: Path) -> None:
     on_disk = {path.name for path in folder.glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(listed(folder)) == sorted(on_disk)
-    assert set(manifests()) == {"StatefulSet", "Service", "NetworkPolicy", *OPERATOR_KINDS}
 
 
-def test_kustomize_builds_the_exporter_without_and_with_the_operator_component() -> None:
-    """Without the Operator's CRDs nothing of theirs is applied; with them, both carry the release label."""
-    plain = kustomize(KUBERNETES)
-    assert sorted(document["kind"] for document in plain) == ["NetworkPolicy", "Service", "StatefulSet"]
-    operator = kustomize(KUBERNETES / "with-prometheus-operator")
-    assert sorted(document["kind"] for document in operator) == sorted(["NetworkPolicy", "Service", "StatefulSet",
-                                                                         *OPERATOR_KINDS])  # fmt: skip
-    for document in operator:
+@pytest.mark.parametrize("folder", list(BUILDS), ids=lambda folder: str(folder.relative_to(REPO)))
+def test_kustomize_builds_each_exporter_into_one_namespace_without_and_with_the_operator_component(
+    folder: Path,
+) -> None:
+    """Without the Operator's CRDs nothing of theirs is applied; with them, they carry the release label."""
+    built = kustomize(folder)
+    assert sorted(document["kind"] for document in built) == BUILDS[folder]
+    for document in built:
+        assert document["metadata"]["namespace"] == NAMESPACE
         labels = document["metadata"]["labels"]
         assert labels["app.kubernetes.io/part-of"] == "cache-config-exporter"
         # kube-prometheus-stack's serviceMonitorSelector and ruleSelector match release: <Helm release>.
         assert ("release" in labels) is (document["kind"] in OPERATOR_KINDS)
     # No Secret: applying one would overwrite the live token; docs/deployment.md creates it with kubectl.
-    assert not any(document["kind"] == "Secret" for document in plain + operator)
-    # ... and writes no token into the tracked folder.
+    assert not any(document["kind"] == "Secret" for document in built)
+
+
+def test_the_docs_write_no_token_into_the_tracked_folder() -> None:
     assert not re.search(r">\s*deploy/", DEPLOYMENT_PAGE)
 
 
+def kubernetes_resources() -> list[tuple[str, dict[str, Any]]]:
+    """Every resource of Kubernetes' own kinds that the kustomizations apply, and the vLLM example's."""
+    applied = [
+        (f"{folder.relative_to(KUBERNETES)} {document['kind']}", document)
+        for folder in (KUBERNETES / "with-prometheus-operator", PROBE)
+        for document in kustomize(folder)
+        if document["kind"] not in OPERATOR_KINDS
+    ]
+    return [*applied, *((f"examples {kind}", document) for kind, document in vllm_example().items())]
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("kind", ["StatefulSet", "Service", "NetworkPolicy", "vLLM Deployment"])
-def test_the_manifests_are_valid_kubernetes_resources(kind: str, version: str) -> None:
+def test_the_manifests_are_valid_kubernetes_resources(version: str) -> None:
     # Strict: a misspelt or misplaced field is an error, not silently ignored as kubectl would.
-    document = yaml.safe_load(VLLM_EXAMPLE.read_text()) if kind == "vLLM Deployment" else manifests()[kind]
-    kubernetes_validate.validate(document, version, strict=True)
+    resources = kubernetes_resources()
+    assert len(resources) == 8
+    for name, document in resources:
+        try:
+            kubernetes_validate.validate(document, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{name}: {error}")
 
 
-@pytest.mark.parametrize("kind", sorted(OPERATOR_KINDS))
-def test_the_operator_resources_are_not_in_the_kubernetes_schemas(kind: str) -> None:
+@pytest.mark.parametrize("folder", [KUBERNETES, PROBE], ids=lambda folder: str(folder.relative_to(REPO)))
+def test_the_operator_resources_are_not_in_the_kubernetes_schemas(folder: Path) -> None:
     """They are CRDs of the Prometheus Operator: checked by the tests below instead of by schema."""
-    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
-        kubernetes_validate.validate(manifests()[kind], KUBERNETES_VERSIONS[-1], strict=True)
+    for document in kustomize(folder / "with-prometheus-operator"):
+        if document["kind"] in OPERATOR_KINDS:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(document, KUBERNETES_VERSIONS[-1], strict=True)
 
 
 def test_the_resources_select_each_other() -> None:
@@ -153,7 +210,7 @@ def test_the_image_is_the_tag_the_readme_builds() -> None:
 
 
 def test_the_vllm_example_gets_the_plugin_token_and_replica_the_exporter_and_prometheus_expect() -> None:
-    deployment = yaml.safe_load(VLLM_EXAMPLE.read_text())
+    deployment = vllm_example()["Deployment"]
     pod = deployment["spec"]["template"]
     spec = pod["spec"]
     (init,) = spec["initContainers"]
@@ -175,12 +232,11 @@ def test_the_vllm_example_gets_the_plugin_token_and_replica_the_exporter_and_pro
     # Only variables the plugin reads, besides PYTHONPATH and the downward API's POD_IP.
     plugin_source = (REPO / "exporter" / "vllm_plugin" / "target.py").read_text()
     assert all(f'"{name}"' in plugin_source for name in environment if name.startswith(ENV_PREFIX))
-    # The exporter's Service, its port; the Secret and key docs/deployment.md creates.
-    service = resources["Service"]
-    (port,) = service["spec"]["ports"]
-    assert environment["CACHE_CONFIG_EXPORTER_URL"]["value"] == (
-        f"http://{service['metadata']['name']}.vllm.svc:{port['port']}"
-    )
+    # The exporter's Service, its port, in its namespace, the vLLM servers' too; the Secret and key
+    # docs/deployment.md creates.
+    service = rendered(KUBERNETES)["Service"]
+    assert environment["CACHE_CONFIG_EXPORTER_URL"]["value"] == f"http://{service_address(service)}"
+    assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"]
     token = environment["CACHE_CONFIG_EXPORTER_TOKEN_FILE"]["value"]
     assert token_path(spec, vllm, token) == readme_secret()
     # The replica is POD_IP:<vLLM's port>: what Prometheus' pod discovery scrapes, the join's instance.
@@ -279,8 +335,102 @@ def test_the_service_monitor_relabels_as_the_readme_join_says() -> None:
     (config,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
     (job,) = [job for job in yaml.safe_load(config)["scrape_configs"] if job["job_name"] == "cache-config-exporter"]
     (endpoint,) = manifests()["ServiceMonitor"]["spec"]["endpoints"]
-    spelled = [
-        {"sourceLabels": rule["source_labels"], "regex": rule["regex"], "targetLabel": rule["target_label"]}
-        for rule in job["metric_relabel_configs"]
-    ]
-    assert endpoint["metricRelabelings"] == spelled
+    assert endpoint["metricRelabelings"] == [operator_spelling(rule) for rule in job["metric_relabel_configs"]]
+
+
+# The probe-only exporter of deploy/kubernetes/probe ---------------------------------------------------------------
+
+
+def test_the_probe_only_exporter_keeps_nothing_and_runs_with_the_fewest_privileges() -> None:
+    pod = rendered(PROBE)["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    environment = {variable["name"]: variable["value"] for variable in container["env"]}
+    assert set(environment) <= serve_variables()
+    assert environment["CACHE_CONFIG_EXPORTER_PROBE_ONLY"] == "true"
+    # The pod network's placeholder: a CIDR, as the docs say to replace it.
+    assert ipaddress.ip_network(environment["CACHE_CONFIG_EXPORTER_PROBE_ALLOWED_TARGETS"]).num_addresses > 1
+    # Nothing to keep, nothing to mount: no volume, no token, no service account token.
+    assert "volumes" not in pod and "volumeMounts" not in container
+    assert not {name for name in environment if "TOKEN" in name}
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10987
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}
+    }  # fmt: skip
+    (pushing,) = manifests()["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == pushing["image"]
+
+
+def test_the_probe_resources_select_each_other_and_never_the_pushing_exporters() -> None:
+    """Both exporters can run in the one namespace: neither's Service or NetworkPolicy selects the other's pods."""
+    probe, pushing = rendered(PROBE), rendered(KUBERNETES)
+    probe_pod = probe["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    pushing_pod = pushing["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    (container,) = probe["Deployment"]["spec"]["template"]["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    (service_port,) = probe["Service"]["spec"]["ports"]
+    assert ports[service_port["targetPort"]] == service_port["port"]
+    for resources, own, other in ((probe, probe_pod, pushing_pod), (pushing, pushing_pod, probe_pod)):
+        workload = resources.get("Deployment") or resources["StatefulSet"]
+        selectors = [workload["spec"]["selector"]["matchLabels"], resources["Service"]["spec"]["selector"],
+                     resources["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"]]  # fmt: skip
+        assert all(selector.items() <= own.items() and not selector.items() <= other.items() for selector in selectors)
+    assert probe["Service"]["metadata"]["name"] != pushing["Service"]["metadata"]["name"]
+    # Only Prometheus is let in, as it is to the pushing exporter; the vLLM pods have nothing to send.
+    sources = [source for rule in probe["NetworkPolicy"]["spec"]["ingress"] for source in rule["from"]]
+    (prometheus,) = [source for rule in pushing["NetworkPolicy"]["spec"]["ingress"] for source in rule["from"]
+                     if "namespaceSelector" in source]  # fmt: skip
+    assert sources == [prometheus]
+
+
+def multi_target_rules(rules: list[dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    """The rules that make the target the ``target`` parameter and the instance, and the exporter the address."""
+    return [rule for rule in rules if rule.get(target) in ("__param_target", "instance", "__address__")]
+
+
+def test_the_probe_service_monitor_probes_vllms_service_through_the_probe_exporter() -> None:
+    """The Operator's spelling of docs/probe.md's Kubernetes job, over the vLLM example's Service."""
+    built = rendered(PROBE / "with-prometheus-operator")
+    monitor = built["ServiceMonitor"]["spec"]
+    vllm = vllm_example()["Service"]
+    assert vllm["metadata"]["namespace"] == built["ServiceMonitor"]["metadata"]["namespace"]
+    assert monitor["selector"]["matchLabels"].items() <= vllm["metadata"]["labels"].items()
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["path"] == "/probe"
+    assert endpoint["port"] in {port["name"] for port in vllm["spec"]["ports"]}
+    (job,) = readme_configs()["vllm-cache-config-pods"]["scrape_configs"]
+    spelled = [operator_spelling(rule) for rule in multi_target_rules(job["relabel_configs"], "target_label")]
+    assert multi_target_rules(endpoint["relabelings"], "targetLabel") == spelled
+    assert endpoint["relabelings"][-1] == {
+        "targetLabel": "__address__",
+        "replacement": service_address(built["Service"]),
+    }
+
+
+def test_the_docs_kubernetes_scrape_configurations_probe_through_it_and_pass_promtool(tmp_path: Path) -> None:
+    """docs/probe.md's Kubernetes jobs name the probe-only exporter's Service as deploy/kubernetes/probe makes it;
+    with a promtool built without Kubernetes discovery, checked with the discovery swapped for file_sd."""
+    address = service_address(rendered(PROBE)["Service"])
+    as_written = promtool_discovers_kubernetes(tmp_path)
+    for name in ("vllm-cache-config-pods", "vllm-cache-config-sharded"):
+        config = readme_configs()[name]
+        (job,) = config["scrape_configs"]
+        assert job["relabel_configs"][-1] == {"target_label": "__address__", "replacement": address}, name
+        path = tmp_path / f"{name}.yml"
+        path.write_text(json.dumps(config if as_written else pod_discovery_as_files(config, tmp_path / "pods.json")))
+        checked = promtool("check", "config", str(path))
+        assert checked.returncode == 0, f"{name}:\n{checked.stdout}{checked.stderr}"
+
+
+def test_the_probe_deployment_settings_start_an_exporter_that_answers_its_probes(
+    start_exporter: Callable[..., ExporterProcess],
+) -> None:
+    """The container's environment, its address moved onto a free port: no token, no store."""
+    (container,) = rendered(PROBE)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    environment = {variable["name"]: variable["value"] for variable in container["env"]}
+    environment.pop("CACHE_CONFIG_EXPORTER_WEB_LISTEN_ADDRESS")  # start_exporter picks a free port on 0.0.0.0
+    exporter = start_exporter(env={**os.environ, **environment}, host="0.0.0.0")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert request(exporter.url, "GET", container[probe]["httpGet"]["path"], timeout=5).status == 200
+    request(exporter.url, "POST", "/api/v1/ready", b"\x80").problem(404)
+    assert not exporter.storage.exists()

@@ -54,9 +54,11 @@ NOT_RUN = {
     "command is run",
     ("docs/deployment.md", "Kubernetes", 0): "needs a cluster: tests/deploy/test_deploy_manifests.py validates the "
     "manifests",
+    ("docs/deployment.md", "Kubernetes", 1): "needs a cluster: tests/deploy/test_deploy_manifests.py renders and "
+    "validates deploy/kubernetes/probe",
     ("docs/deployment.md", "systemd", 1): "needs a running systemd: tests/deploy/test_deploy_manifests.py verifies "
     "the unit",
-    ("docs/metrics.md", "Choosing the labels", 0): "the allowlist is run on a vLLM 0.34 engine's labels: "
+    ("docs/metrics.md", "Choosing the labels", 0): "the preset is run on a vLLM 0.34 engine's labels: "
     "tests/exposition/test_info_labels.py",
 }
 # The blocks the tests below run (each fetched with ``block``, which checks it still holds what it is run for).

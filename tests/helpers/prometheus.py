@@ -10,6 +10,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.helpers.http import request
 from tests.support import free_port, require_binary, wait_until
 
@@ -18,6 +20,16 @@ DOCKER = REPO / "docker"
 RULES = DOCKER / "rules" / "cache-config-exporter.rules.yml"
 RULE_TESTS = sorted((DOCKER / "rules").glob("*_test.yml"))
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "cache-config-exporter.json"
+
+
+def shipped_rules() -> list[dict[str, Any]]:
+    """Every recording and alerting rule of docker/rules, in file order."""
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def recorded_names() -> list[str]:
+    """The names the shipped recording rules record."""
+    return [rule["record"] for rule in shipped_rules() if "record" in rule]
 
 
 def promtool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:

@@ -69,6 +69,11 @@ def ready_payload(release: Release, **changes: Any) -> bytes:
     if "cache_config_info" in release.field_names:
         values["cache_config_info"] = engine_labels(release)
     values.update(changes)
+    return vllm_encode(release, values)
+
+
+def vllm_encode(release: Release, values: dict[str, Any]) -> bytes:
+    """``release``'s dataclass of the fields ``values`` has (the others at vLLM's defaults), encoded as vLLM does."""
     cls = vllm_dataclass(release)
     names = [field.name for field in dataclasses.fields(cls)]
     return msgspec.msgpack.encode(cls(**{name: values[name] for name in names if name in values}))

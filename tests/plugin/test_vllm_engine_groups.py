@@ -2,7 +2,7 @@
 
 The engine-core side runs against the stand-in ``vllm.v1.engine.core`` (vLLM
 0.32.0's ``EngineCoreProc._make_ready_response``) with spec classes named as
-vLLM's; ``tests/test_real_vllm.py`` proves the same path in a real ``vllm serve``.
+vLLM's; ``tests/real_vllm/test_real_vllm.py`` proves the same path in a real ``vllm serve``.
 The exporter side drives the real ASGI app: the group series, the true
 ``mamba_block_size`` taken from the Mamba group where the rule would be wrong,
 and a group that does not fit the schema refused with the field named.
@@ -77,8 +77,9 @@ class KVCacheGroupSpec:
     is_eagle_group: bool = False
 
 
-def kv_cache_config(*groups: KVCacheGroupSpec, num_blocks: int = 1000) -> SimpleNamespace:
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=list(groups), hash_block_size=640)
+def kv_cache_config(*groups: KVCacheGroupSpec, num_blocks: int = 1000, **resolved: int) -> SimpleNamespace:
+    """vLLM's ``KVCacheConfig``; 0.32+ resolves ``hash_block_size`` and ``cache_hit_alignment_tokens`` on it."""
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=list(groups), **resolved)
 
 
 VLLM_CONFIG = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1280))
@@ -87,6 +88,8 @@ HYBRID_GROUPS = kv_cache_config(
     KVCacheGroupSpec([f"model.layers.{i}.linear_attn" for i in range(3)], MambaSpec(640, 65536)),
     KVCacheGroupSpec(["model.layers.3.self_attn.attn"], FullAttentionSpec(640, 65536)),
     KVCacheGroupSpec(["draft.layers.0.self_attn.attn"], FullAttentionSpec(16, 2048), is_eagle_group=True),
+    hash_block_size=16,
+    cache_hit_alignment_tokens=640,
 )
 
 
@@ -100,9 +103,10 @@ def test_spec_classes_become_kinds_and_unknown_ones_keep_their_name() -> None:
 def test_the_groups_are_read_as_the_engine_core_holds_them() -> None:
     uniform = UniformTypeKVCacheSpecs(32, {"a": SlidingWindowSpec(32, 512, 128), "b": SlidingWindowSpec(32, 512, 64)})
     groups = vllm_engine_groups.groups_of(
-        kv_cache_config(*HYBRID_GROUPS.kv_cache_groups, KVCacheGroupSpec(["x", "y"], uniform)), VLLM_CONFIG
-    )
-    assert (groups.num_blocks, groups.hash_block_size) == (1000, 640)
+        kv_cache_config(*HYBRID_GROUPS.kv_cache_groups, KVCacheGroupSpec(["x", "y"], uniform), hash_block_size=16,
+                        cache_hit_alignment_tokens=640), VLLM_CONFIG,
+    )  # fmt: skip
+    assert (groups.num_blocks, groups.hash_block_size, groups.cache_hit_alignment_tokens) == (1000, 16, 640)
     mamba, attention, draft, windows = groups.groups
     assert (mamba.kind, mamba.block_size, len(mamba.layers), mamba.blocks_per_request) == ("mamba", 640, 3, 1)
     # max_model_len 1280 in 640-token blocks: two blocks a request.
@@ -111,6 +115,12 @@ def test_the_groups_are_read_as_the_engine_core_holds_them() -> None:
     # A wrapper of one spec class is that class; a figure the spec cannot give is left out.
     assert (windows.spec, windows.sliding_window, windows.page_size_bytes, windows.blocks_per_request) == (
         "SlidingWindowSpec", None, 0, None)  # fmt: skip
+
+
+def test_a_vllm_that_resolves_neither_leaves_them_untold() -> None:
+    """Before 0.32 a ``KVCacheConfig`` has no ``hash_block_size`` or ``cache_hit_alignment_tokens``."""
+    groups = vllm_engine_groups.groups_of(kv_cache_config(*HYBRID_GROUPS.kv_cache_groups), VLLM_CONFIG)
+    assert (groups.hash_block_size, groups.cache_hit_alignment_tokens) == (None, None)
 
 
 @pytest.fixture
@@ -148,13 +158,21 @@ def engine_core_proc(module: ModuleType, kv_cache_config: Any) -> Any:
     return proc
 
 
-def test_the_ready_response_carries_the_groups_and_vllm_frontend_reads_it_as_before(engine_core: ModuleType) -> None:
+def test_the_ready_response_carries_the_groups_and_vllm_frontend_reads_it_as_before(
+    engine_core: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
     plain = msgspec.msgpack.encode(engine_core_proc(engine_core, HYBRID_GROUPS)._make_ready_response())
     vllm_engine_groups.install()
     vllm_engine_groups.install()  # once only, however often vLLM loads the plugin
     method = engine_core.EngineCoreProc._make_ready_response
     assert getattr(method.__wrapped__, vllm_engine_groups.PATCHED_ATTRIBUTE, False) is False
-    payload = msgspec.msgpack.encode(engine_core_proc(engine_core, HYBRID_GROUPS)._make_ready_response())
+    with caplog.at_level(logging.INFO, "vllm.cache_config_exporter"):
+        payload = msgspec.msgpack.encode(engine_core_proc(engine_core, HYBRID_GROUPS)._make_ready_response())
+    # The engine core's log says what it sent, for an operator to hold against the exporter's series.
+    assert caplog.messages == [
+        "cache-config-exporter: the engine core's KV-cache config: 1000 blocks, group block sizes (640, 640, 16), "
+        "hash_block_size 16, cache_hit_alignment_tokens 640"
+    ]
 
     response_class = importlib.import_module("vllm.v1.engine").EngineCoreReadyResponse
     # vLLM's frontend decodes it into its own dataclass: every field as without the plugin.
@@ -184,7 +202,9 @@ def groups(*specs: tuple[str, int], draft_block: int | None = None) -> dict[str,
     if draft_block is not None:
         made.append(KVCacheGroup(spec="FullAttentionSpec", block_size=draft_block, page_size_bytes=64,
                                  layers=["draft.0"], draft=True))  # fmt: skip
-    return msgspec.to_builtins(KVCacheGroups(num_blocks=1997, groups=made, hash_block_size=640))
+    return msgspec.to_builtins(
+        KVCacheGroups(num_blocks=1997, groups=made, hash_block_size=640, cache_hit_alignment_tokens=1280)
+    )
 
 
 def post(client: TestClient, report: dict[str, Any] | None = None, **changes: Any) -> Any:
@@ -209,6 +229,7 @@ def test_each_group_shows_and_the_mamba_group_gives_the_true_mamba_block_size(cl
     assert engine_values(exposition, "cache_config_mamba_block_size") == {("0",): 640}
     assert engine_values(exposition, "cache_config_vllm_mamba_block_size") == {("0",): 16}
     assert engine_values(exposition, "cache_config_hash_block_size") == {("0",): 640}
+    assert engine_values(exposition, "cache_config_cache_hit_alignment_tokens") == {("0",): 1280}
     (source,) = samples(exposition, "cache_config_mamba_block_size_source_info")
     assert source.labels["source"] == "kv_cache_groups"
     assert engine_values(exposition, "cache_config_kv_cache_group_block_size") == {

@@ -6,7 +6,7 @@ With ``CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM=1`` they import the installed vLLM
 instead; ``tests/test_real_vllm.py`` runs them so with a real vLLM, so that every
 test here holds for the real package too.
 
-Each test gets a pristine ``MPClient._apply_ready_response`` and ``MPClient.shutdown``;
+Each test gets a pristine ``MPClient._apply_ready_response`` and ``MPClient.shutdown`` (and ``MAIN_PROCESS_METHODS``);
 the plugin's forwarder is flushed instead of sleeping, and closed at the end so no
 thread outlives its test. Backoff is shortened to milliseconds.
 """
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import msgspec
 import pytest
 
-from exporter.vllm_plugin import delivery
+from exporter.vllm_plugin import api_servers, delivery
 from exporter.vllm_plugin import plugin as vllm_plugin
 from exporter.vllm_plugin import target as plugin_target
 from exporter.vllm_plugin.plugin import FORWARDER_ATTRIBUTE, Forwarder, register
@@ -53,6 +53,12 @@ STANDIN = Path(__file__).resolve().parents[1] / "vllm_standin"
 REAL_VLLM_VARIABLE = "CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM"
 REAL_VLLM = os.environ.get(REAL_VLLM_VARIABLE) == "1"
 CORE_CLIENT = "vllm.v1.engine.core_client"
+# What the plugin wraps in vLLM's main process of a server with several API servers (``api_servers``).
+MAIN_PROCESS_METHODS = (
+    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config"),
+    ("vllm.v1.utils", "APIServerProcessManager", "__init__"),
+    ("vllm.v1.utils", "APIServerProcessManager", "shutdown"),
+)
 VARIABLES = (
     plugin_target.URL_VARIABLE,
     plugin_target.DEPLOYMENT_VARIABLE,
@@ -109,6 +115,11 @@ def pristine(monkeypatch: pytest.MonkeyPatch, vllm_package: ModuleType) -> Itera
     client_class = vllm_package.MPClient
     monkeypatch.setattr(client_class, "_apply_ready_response", client_class._apply_ready_response)
     monkeypatch.setattr(client_class, "shutdown", client_class.shutdown)
+    for module_name, class_name, method in MAIN_PROCESS_METHODS:
+        wrapped_class = getattr(importlib.import_module(module_name), class_name)
+        monkeypatch.setattr(wrapped_class, method, getattr(wrapped_class, method))
+    # Set by an APIServerProcessManager the test starts: unset again afterwards (no pid is empty).
+    monkeypatch.setenv(api_servers.GOODBYE_BY_VARIABLE, "")
     yield
     method = getattr(getattr(sys.modules.get(CORE_CLIENT), "MPClient", None), "_apply_ready_response", None)
     if hasattr(method, FORWARDER_ATTRIBUTE):
@@ -410,12 +421,27 @@ def test_a_refused_field_warns_once_and_ready_responses_still_go(
         pytest.param("org//model name", "", "org/model_name", id="empty-segment-and-space"),
         pytest.param("x", "-team/a?b", "_team/a_b", id="configured-made-to-fit"),
         pytest.param("é" * 300, None, "_" * 200, id="too-long"),
+        pytest.param("a" * 199 + "/b", None, "a" * 199, id="cut-right-after-a-slash"),
     ],
 )
 def test_deployment_name_fits_the_exporter(
     served_model_name: str | list[str] | None, configured: str | None, expected: str
 ) -> None:
-    assert deployment_of(frontend(served_model_name), configured) == expected
+    assert deployment_of(frontend(served_model_name).vllm_config, configured) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        pytest.param({"data_parallel_rank": 3, "instance_id": "run-1"}, (3, "run-1"), id="rank-and-run"),
+        pytest.param({"data_parallel_rank": True, "instance_id": "run-1"}, (0, "run-1"), id="a-boolean-is-no-rank"),
+        pytest.param({"data_parallel_rank": "1", "instance_id": ""}, (0, None), id="neither-given-as-such"),
+    ],
+)
+def test_the_engine_and_the_run_are_read_as_the_exporter_reads_them(
+    fields: dict[str, object], expected: tuple[int, str | None]
+) -> None:
+    assert vllm_plugin.engine_and_run(msgspec.msgpack.encode(fields)) == expected
 
 
 @pytest.mark.parametrize(

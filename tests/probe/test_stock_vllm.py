@@ -166,10 +166,12 @@ def test_a_stock_vllm_loads_the_plugin_from_pythonpath_and_prometheus_joins_its_
         assert float(capacity["value"][1]) == float(vllm_info.labels["kv_cache_size_tokens"])
         (used,) = prometheus.wait_for("instance:vllm_kv_cache_used_tokens:sum", timeout=60)
         assert used["metric"]["instance"] == address and 0 <= float(used["value"][1]) <= float(capacity["value"][1])
-        rule = "instance_engine_group:cache_config_kv_cache_group_capacity_tokens:max"
-        groups = wait_until(lambda: prometheus.query(rule), timeout=60, interval=0.5)
-        assert {series["metric"]["kind"] for series in groups} >= {"mamba", "full_attention"}
-        assert {series["metric"]["instance"] for series in groups} == {address}
+        (joined_once,) = prometheus.wait_for(
+            "vllm:num_requests_running * on (instance, engine) group_left (block_size, mamba_block_size) "
+            "instance_engine:cache_config_info:max",
+            timeout=60,
+        )
+        assert joined_once["metric"]["mamba_block_size"] == ours["mamba_block_size"]
         panel = [query.replace("$deployment", ".*") for query in dashboard_queries() if "vllm:" in query]
         assert panel
         for query in panel:

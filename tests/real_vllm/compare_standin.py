@@ -5,7 +5,8 @@ Prints a JSON list of differences (empty when the stand-in matches): module path
 ``CacheConfig.metrics_info()`` (labels, order and values, for vLLM's defaults and
 for a hybrid model's settings), ``EngineCoreReadyResponse``'s fields with their
 defaults, and the signatures of the methods the plugin wraps (``MPClient._apply_ready_response``, whose effect
-is compared too, ``MPClient.shutdown`` and ``EngineCoreProc._make_ready_response``).
+is compared too, ``MPClient.shutdown``, ``EngineCoreProc._make_ready_response`` and
+``APIServerProcessManager.shutdown``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ import msgspec
 from tests.real_vllm.frontend import HYBRID_RESPONSE, frontend_client
 
 STANDIN = Path(__file__).resolve().parent.parent / "vllm_standin"
-MODULES = ("vllm.config", "vllm.config.cache", "vllm.v1.engine", "vllm.v1.engine.core", "vllm.v1.engine.core_client")
+MODULES = (
+    "vllm.config", "vllm.config.cache", "vllm.engine.arg_utils", "vllm.v1.engine", "vllm.v1.engine.core",
+    "vllm.v1.engine.core_client", "vllm.v1.utils",
+)  # fmt: skip
 # The methods the plugin wraps, by module and class.
 WRAPPED = (
     ("vllm.v1.engine.core_client", "MPClient", "_apply_ready_response"),
     ("vllm.v1.engine.core_client", "MPClient", "shutdown"),
     ("vllm.v1.engine.core", "EngineCoreProc", "_make_ready_response"),
+    ("vllm.v1.utils", "APIServerProcessManager", "shutdown"),
 )
 CACHE_CONFIGS: list[dict[str, Any]] = [
     {},

@@ -6,13 +6,19 @@ Qwen3-Next, GraniteMoeHybrid), vLLM serves it by path with the plugin pointed at
 live exporter; after one completion, the exporter's ``cache_config_info`` must carry
 vLLM's own ``vllm:cache_config_info`` labels with vLLM's values, except
 ``mamba_block_size``, which must be the block size the engine runs its Mamba
-groups with, as the engine itself logs it. The plugin's own tests run against the
-real package too, and the stand-in they use by default is checked against it.
+groups with, as the engine itself logs it, and ``hash_block_size`` and
+``cache_hit_alignment_tokens``, which vLLM shows as ``None`` and must be the engine
+core's. The plugin's own tests run against the real package too, and the stand-in
+they use by default is checked against it.
 
 Then a matrix of the configurations people run (data parallelism of a dense and of a MoE model, no prefix
 caching, tensor parallelism, a draft model): each engine vLLM shows must show in the exporter with vLLM's
 ``num_gpu_blocks``, with the KV-cache groups and block sizes its engine core logs, and the replica must be
 gone within seconds of a SIGTERM. What each configuration sends is written down in docs/VLLM_CONFIGURATIONS.md.
+
+In every run, each engine's figures at the point of use are its engine core's own: its KV-cache capacity in tokens
+as the engine core logs it, and the ``hash_block_size`` and ``cache_hit_alignment_tokens`` it resolved, as the
+plugin read them in the engine-core process and logged them there (vLLM's frontend never learns them).
 
 Outside CI, ``CACHE_CONFIG_EXPORTER_SKIP_REAL_VLLM=1`` skips this file; in CI nothing here may skip.
 """
@@ -41,6 +47,7 @@ from exporter.vllm_plugin.plugin import replica_of
 from tests.helpers.exposition import families, info_labels, samples, scrape
 from tests.helpers.figures import record
 from tests.helpers.http import request
+from tests.real_vllm.newest_shape import in_newest_shape
 from tests.support import IN_CI, ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -57,6 +64,16 @@ RAISED_BLOCK = re.compile(r"\(Worker[^)]*\).*Setting attention block size to (\d
 # Each engine core's block sizes of its KV-cache groups, in vLLM's group order (logged only with two or more groups);
 # a data-parallel engine core is named after its engine index (``EngineCore_DP1``).
 GROUP_BLOCK_SIZES = re.compile(r"\(EngineCore(?:_DP(\d+))? pid=\d+\).*kv cache group sizes \(([\d, ]+)\)")
+# Each engine core's scheduler block size (the least common multiple of its groups' sizes; logged with two or more).
+SCHEDULER_BLOCK_SIZE = re.compile(r"\(EngineCore(?:_DP(\d+))? pid=\d+\).*kv lcm block sizes (\d+)")
+# Each engine core's KV-cache capacity as it logs it (``GPU KV cache size``; ``CPU`` in the CPU build).
+KV_CACHE_SIZE = re.compile(r"\(EngineCore(?:_DP(\d+))? pid=\d+\).* KV cache size: ([\d,]+) tokens")
+# What the plugin read in each engine core's KVCacheConfig and added to its ready response, in this order.
+RESOLVED_NAMES = ("hash_block_size", "cache_hit_alignment_tokens")
+ENGINE_RESOLVED = re.compile(
+    r"\(EngineCore(?:_DP(\d+))? pid=\d+\).*cache-config-exporter: the engine core's KV-cache config: .*"
+    r"hash_block_size (\d+|None), cache_hit_alignment_tokens (\d+|None)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +131,7 @@ def test_the_stand_in_matches_the_real_vllm(vllm_venv: Path) -> None:
 def test_the_plugin_tests_pass_against_the_real_vllm(vllm_venv: Path) -> None:
     run = run_in_venv(
         vllm_venv,
-        "-m", "pytest", "tests/test_vllm_plugin.py", "-q", "-p", "no:cacheprovider",
+        "-m", "pytest", "tests/plugin/test_vllm_plugin.py", "-q", "-p", "no:cacheprovider",
         env={"CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-5000:]
@@ -224,6 +241,55 @@ def serve(vllm_venv: Path, tmp_path: Path) -> Iterator[Callable[..., VllmServer]
         server.stop()
 
 
+def by_engine(pattern: re.Pattern[str], log: str) -> dict[str, tuple[str, ...]]:
+    """What ``pattern`` finds in each engine core's lines, by engine index (its first group names the engine)."""
+    return {match.group(1) or "0": match.groups()[1:] for match in pattern.finditer(log)}
+
+
+def engine_value(exposition: str, name: str, deployment: str) -> dict[str, float]:
+    """Each engine's sample of the gauge ``name``, by engine."""
+    return {
+        sample.labels["engine"]: sample.value
+        for sample in samples(exposition, name)
+        if sample.labels["deployment"] == deployment
+    }
+
+
+def engine_source(exposition: str, name: str, deployment: str) -> dict[str, str]:
+    """Each engine's ``source`` of ``cache_config_<name>_source_info``, by engine."""
+    return {
+        sample.labels["engine"]: sample.labels["source"]
+        for sample in samples(exposition, f"cache_config_{name}_source_info")
+        if sample.labels["deployment"] == deployment
+    }
+
+
+def check_engine_core_figures(exposition: str, log: str, deployment: str, vllm_info: dict[str, dict[str, str]]) -> None:
+    """Each engine's capacity, ``hash_block_size`` and ``cache_hit_alignment_tokens`` (gauge and label) are its
+    engine core's own: the capacity as it logs it, the other two as the plugin read them there.
+
+    The two are held against vLLM's own log as well: hits land on the hash block or on the scheduler block (the
+    least common multiple of the groups' sizes, or the one group's), and the hash block divides the scheduler's.
+    """
+    capacity = {engine: float(tokens.replace(",", "")) for engine, (tokens,) in by_engine(KV_CACHE_SIZE, log).items()}
+    assert set(capacity) == set(vllm_info), f"engine cores logging their capacity: {sorted(capacity)}"
+    assert engine_value(exposition, "cache_config_kv_cache_size_tokens", deployment) == capacity
+    resolved = by_engine(ENGINE_RESOLVED, log)
+    assert set(resolved) == set(vllm_info), f"engine cores whose KV-cache config the plugin logged: {sorted(resolved)}"
+    scheduler_block = {engine: int(size) for engine, (size,) in by_engine(SCHEDULER_BLOCK_SIZE, log).items()}
+    shown = info_labels(exposition, deployment)
+    for index, name in enumerate(RESOLVED_NAMES):
+        own = {engine: int(values[index]) for engine, values in resolved.items()}
+        assert engine_value(exposition, f"cache_config_{name}", deployment) == own, name
+        assert engine_source(exposition, name, deployment) == dict.fromkeys(own, "kv_cache_groups"), name
+        # The info labels are the replica's: the lowest engine's value, which every engine of one server shares.
+        assert {shown[engine][name] for engine in shown} == {str(own[min(own)])} == {str(v) for v in own.values()}
+    for engine, (hash_block, alignment) in resolved.items():
+        scheduler = scheduler_block.get(engine, int(vllm_info[engine]["block_size"]))
+        assert int(alignment) in (int(hash_block), scheduler) and scheduler % int(hash_block) == 0, engine
+    print(f"{deployment}: capacity {capacity}, hash_block_size and cache_hit_alignment_tokens {resolved}")
+
+
 def logged_group_block_sizes(log: str) -> dict[str, list[int]]:
     """By engine index, the block sizes of the engine core's KV-cache groups in vLLM's order, as it logs them."""
     return {
@@ -284,13 +350,16 @@ def test_the_exporter_shows_vllm_own_labels_and_the_true_mamba_block_size(
 
     # The replica is named after the host and the port of ``vllm serve --port``, as the plugin reads it from vLLM.
     assert shown["replica"] == replica_of(None, ["--port", server.url.rsplit(":", 1)[1]])
-    # Label by label: vLLM's labels and values (plus ``deployment`` and ``replica``), but the true Mamba block size.
+    # Label by label: vLLM's labels and values (plus ``deployment`` and ``replica``), but the true Mamba block size
+    # and the engine core's own hash_block_size and cache_hit_alignment_tokens, which vLLM's frontend never learns.
     assert set(shown) == set(vllm_labels) | {"deployment", "replica"}
     differing = {name: (vllm_labels[name], shown[name]) for name in vllm_labels if shown[name] != vllm_labels[name]}
-    if true_mamba_block_size == vllm_labels["mamba_block_size"]:
-        assert differing == {}
-    else:
-        assert differing == {"mamba_block_size": (vllm_labels["mamba_block_size"], true_mamba_block_size)}
+    (engine_core_own,) = by_engine(ENGINE_RESOLVED, log).values()
+    expected_differences = {name: ("None", value) for name, value in zip(RESOLVED_NAMES, engine_core_own, strict=True)}
+    if true_mamba_block_size != vllm_labels["mamba_block_size"]:
+        expected_differences["mamba_block_size"] = (vllm_labels["mamba_block_size"], true_mamba_block_size)
+    assert differing == expected_differences
+    check_engine_core_figures(exposition, log, model, {vllm_labels["engine"]: vllm_labels})
     gauges = {
         name: sample.value
         for name in ("cache_config_block_size", "cache_config_mamba_block_size", "cache_config_vllm_mamba_block_size")
@@ -318,6 +387,7 @@ def capture(directory: Path, model: str, exporter: ExporterProcess, vllm_metrics
         [(labels,)] = db.execute("SELECT static_config FROM replicas WHERE deployment = ?", (model,)).fetchall()
     (directory / f"{model}.msgpack").write_bytes(payload)
     (directory / f"{model}.metrics-info.json").write_bytes(labels)
+    (directory / f"{model}.as-vllm-0.34.msgpack").write_bytes(in_newest_shape(payload, json.loads(labels)))
     [line] = [line for line in vllm_metrics.splitlines() if line.startswith("vllm:cache_config_info{")]
     (directory / f"{model}.vllm-cache-config-info.prom").write_text(line + "\n")
 
@@ -554,6 +624,7 @@ def test_every_engine_shows_with_vllm_own_figures_and_its_kv_cache_groups(
             assert sources.get((engine, "kv_cache_groups")) == 1, f"engine {engine}: {sources}"
         else:
             assert ours[engine]["mamba_block_size"] == "None" and engine not in mamba_gauges, f"engine {engine}"
+    check_engine_core_figures(exposition, log, model, vllm_info)
 
     groups_summary = {
         engine: [(group.kind, group.block_size, group.layers, group.info["draft"]) for group in engine_groups]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
@@ -12,6 +13,7 @@ from urllib.parse import urlsplit
 import bcrypt
 import pytest
 
+from exporter.security.bcrypt_checks import AuthenticationBusy, BcryptChecks
 from tests.helpers.exposition import samples
 from tests.helpers.figures import record
 from tests.helpers.health import health_latency, recovery_seconds
@@ -194,6 +196,20 @@ def test_a_full_check_queue_answers_at_once_with_retry_after(
     problem = busy.problem(503)
     assert busy.headers["retry-after"] == "1" and problem["field"] == "Authorization"
     assert waited < 1.0, f"the refusal took {waited:.3f}s: it waited for a check"
+
+
+def test_the_check_past_the_cap_of_waiting_checks_is_refused_and_the_one_at_it_is_not() -> None:
+    """With room for two checks (one running, one waiting), a third guess at the same moment is refused at once."""
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4))
+
+    async def three_guesses_at_once() -> list[bool | BaseException]:
+        checks = BcryptChecks(workers=1, waiting=2)
+        guesses = (checks.matches("prometheus", b"a-wrong-guess", hashed, 4, lambda: False) for _ in range(3))
+        return await asyncio.gather(*guesses, return_exceptions=True)
+
+    first, second, third = asyncio.run(three_guesses_at_once())
+    assert (first, second) == (False, False)
+    assert isinstance(third, AuthenticationBusy)
 
 
 def test_an_unknown_user_takes_as_long_as_a_known_one_with_a_wrong_password(

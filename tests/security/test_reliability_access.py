@@ -19,7 +19,8 @@ from tests.helpers.figures import record
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response
 from tests.helpers.sqlite_file import read_only, rows
-from tests.support import ExporterProcess, free_port, require_binary
+from tests.helpers.tls import make_certificate
+from tests.support import ExporterProcess, free_port
 
 BODY = ready_response(0, 42, 2)
 
@@ -157,19 +158,6 @@ def test_metrics_and_state_can_be_protected(
         assert client.get(path, headers={"Authorization": right}).status_code == 200
     for open_path in ("/-/healthy", "/-/ready"):  # probes of the orchestrator stay open
         assert client.get(open_path).status_code == 200
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, made with the openssl command."""
-    openssl = require_binary("openssl")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    made = subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1", "-keyout", str(key), "-out", str(cert)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    return cert, key
 
 
 def test_tls_with_a_self_signed_certificate(

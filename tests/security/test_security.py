@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import os
 import secrets
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +18,12 @@ import pytest
 from exporter.config.option import SettingsError
 from exporter.config.settings import Settings
 from exporter.security.auth import Credentials
+from exporter.security.web_config import load_web_config, watched_web_config
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response
-from tests.support import ExporterProcess, require_binary, wait_until
+from tests.helpers.tls import der_of, make_certificate, served_certificate
+from tests.support import ExporterProcess, wait_until
 
 BODY = ready_response(0, 42, 2)
 INGEST = "/api/v1/deployments/web-config/ready"
@@ -44,19 +48,6 @@ def reload_gauge(exporter: ExporterProcess, headers: dict[str, str], file: Path)
     assert reply.status == 200
     (sample,) = [sample for sample in samples(reply.body.decode(), RELOADED) if sample.labels["file"] == str(file)]
     return sample.value
-
-
-def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, made with the openssl command."""
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    made = subprocess.run(
-        [require_binary("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
-         "-keyout", str(key), "-out", str(cert)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    return cert, key
 
 
 def test_passwords_and_headers_rotate_without_a_restart(
@@ -140,6 +131,7 @@ def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
             "unknown field",
         ),
         ("basic_auth_users:\n  a: $2y$10$x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
+        ("basic_auth_users:\n  a: " + bcrypt_hash("p") + "x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
         ("basic_auth_users:\n  a: 12\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
         (
             "basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n",
@@ -163,6 +155,55 @@ def test_a_wrong_web_config_names_the_path(tmp_path: Path, content: str, where: 
         Credentials.from_settings(Settings(storage_path=tmp_path / "x.db", web_config_file=web_config))
     assert f"--web.config.file {web_config}: {where} " in str(error.value)
     assert message in str(error.value)
+
+
+def test_a_restricted_header_value_is_taken_in_any_case_and_sent_as_written(tmp_path: Path) -> None:
+    web_config = tmp_path / "web.yml"
+    web_config.write_text("http_server_config:\n  headers:\n    x-frame-options: DENY\n"
+                          "    X-Content-Type-Options: NoSniff\n")  # fmt: skip
+    config, _ = load_web_config(web_config)
+    assert config.headers == ((b"x-frame-options", b"DENY"), (b"x-content-type-options", b"NoSniff"))
+
+
+def test_an_unknown_user_is_checked_at_the_highest_cost_among_the_users(tmp_path: Path) -> None:
+    """Checked at a lower cost than a real user's, an unknown user would answer faster: timing would tell."""
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(
+        f"basic_auth_users:\n  cheap: $2b$04${'a' * 53}\n  dear: $2y$12${'b' * 53}\n  middle: $2a$08${'c' * 53}\n"
+    )
+    config, _ = load_web_config(web_config)
+    assert config.bcrypt_cost == 12
+
+
+def written_an_hour_ago(path: Path, content: bytes) -> None:
+    """``cp -p`` of a file made an hour ago: new content, an old modification time."""
+    path.write_bytes(content)
+    an_hour_ago = time.time() - 3600
+    os.utime(path, (an_hour_ago, an_hour_ago))
+
+
+def test_a_certificate_then_its_key_copied_with_old_timestamps_are_both_taken(tmp_path: Path) -> None:
+    """The key is watched as the certificate is: replacing the certificate first (which does not fit the old key)
+    and then the key ends on the new pair, however old their timestamps."""
+    first_cert, first_key = make_certificate(tmp_path, "first")
+    second_cert, second_key = make_certificate(tmp_path, "second")
+    served = tmp_path / "served"
+    served.mkdir()
+    written_an_hour_ago(served / "tls.crt", first_cert.read_bytes())
+    written_an_hour_ago(served / "tls.key", first_key.read_bytes())
+    written_an_hour_ago(served / "web.yml", b"tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n")
+    watched = watched_web_config(served / "web.yml")
+
+    def serves() -> bytes:
+        tls = watched.current().tls
+        assert tls is not None
+        return served_certificate(tls)
+
+    assert serves() == der_of(first_cert)
+    written_an_hour_ago(served / "tls.crt", second_cert.read_bytes())
+    assert serves() == der_of(first_cert) and not watched.last_reload_successful
+    written_an_hour_ago(served / "tls.key", second_key.read_bytes())
+    assert serves() == der_of(second_cert) and watched.last_reload_successful
 
 
 def test_a_wrong_web_config_stops_start_up(tmp_path: Path) -> None:

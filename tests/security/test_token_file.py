@@ -1,4 +1,5 @@
-"""Token files as operators rewrite them: a reload ends on the file's final content, and open modes are flagged."""
+"""Token files as operators write them: what is a token, a reload ends on the file's final content, and open
+modes are flagged."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from exporter.config.option import SettingsError
+from exporter.security.token_file import watched_tokens
 from tests.helpers.exposition import samples
 from tests.helpers.figures import record
 from tests.helpers.http import request
@@ -97,3 +102,22 @@ def test_a_token_file_open_to_others_is_warned_about_until_it_is_not(
     tokens.chmod(0o600)
     wait_until(lambda: flagged() == 0.0)
     assert exporter.log.read_text().count("group or others may read it") == 1, "warned once per change"
+
+
+def tokens_in(directory: Path, content: str) -> frozenset[bytes]:
+    path = directory / "ingest.token"
+    path.write_text(content)
+    path.chmod(0o600)
+    return watched_tokens("--web.ingest-token-file", path).current()
+
+
+def test_comments_blank_lines_and_the_spaces_around_a_token_are_not_part_of_any_token(tmp_path: Path) -> None:
+    content = "# rotated in on Monday\n\n  new-token  \n\t# old-token, kept until the senders moved\nold-token\r\n"
+    assert tokens_in(tmp_path, content) == {b"new-token", b"old-token"}
+
+
+@pytest.mark.parametrize("content", ["# only a comment\n", "# one\n\n  # two\n"])
+def test_a_file_of_comments_alone_is_refused(tmp_path: Path, content: str) -> None:
+    """Like an empty file, one whose tokens were all commented out is a mistake: it does not load."""
+    with pytest.raises(SettingsError, match="the file holds no token"):
+        tokens_in(tmp_path, content)

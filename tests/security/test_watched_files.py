@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from exporter.config.option import SettingsError
-from exporter.security.bcrypt_cache import VerifiedCache
 from exporter.security.watched_files import FileState, Watched, open_to_others
 
 
@@ -64,13 +63,3 @@ def test_a_file_broken_while_written_is_read_again_once_it_is_whole(tmp_path: Pa
 def test_open_modes_follow_sshs_rule(mode: int, own: bool, flagged: bool) -> None:
     owner = os.geteuid() if own else os.geteuid() + 1
     assert open_to_others(FileState(0, 0, 0, 0, 0, 0o100000 | mode, owner)) is flagged
-
-
-def test_the_verified_cache_keeps_the_most_recently_used_entries() -> None:
-    cache = VerifiedCache(size=2)
-    cache.add("a", b"1", b"h")
-    cache.add("b", b"2", b"h")
-    assert ("a", b"1", b"h") in cache  # now the most recent
-    cache.add("c", b"3", b"h")
-    assert ("b", b"2", b"h") not in cache and ("a", b"1", b"h") in cache and ("c", b"3", b"h") in cache
-    assert ("a", b"1", b"other hash") not in cache and ("a", b"other password", b"h") not in cache

@@ -87,6 +87,68 @@ def test_a_steady_fleet_is_counted_rarely_and_never_thawed() -> None:
     assert min(b - a for a, b in itertools.pairwise(counted_at)) >= 9
 
 
+def test_once_as_many_connections_closed_as_were_open_at_the_last_complete_collection_all_are_thawed() -> None:
+    """Closed connections are where frozen objects die: a turnover of the connections gets a complete collection,
+    whatever the heap's size."""
+    pacing = FreezePacing()
+    for _ in range(200):
+        pacing.connection_opened()
+    pacing.thaw_after(10_000, never_counted)  # complete, with 200 connections open
+    for _ in range(199):
+        pacing.connection_opened()
+        assert pacing.connection_closed() is False
+    assert pacing.thaw_after(10, never_counted) is False
+    assert pacing.connection_closed() is True
+    assert pacing.alive is None
+    pacing.thaw_after(9_000, never_counted)  # complete: 199 connections open now, none closed since
+    assert not any(pacing.connection_closed() for _ in range(198))
+
+
+GARBAGE_OF_CLOSED_CONNECTIONS = textwrap.dedent(
+    """
+    import gc, json, weakref
+    from exporter.server.gc_freeze import connection_closed, connection_opened, freeze_survivors
+
+    class Node:
+        pass
+
+    freed = []
+    undo = freeze_survivors()
+    for _ in range(10):
+        connection_opened()
+    gc.collect()  # complete, with 10 connections open
+    cycles = []
+    for _ in range(2000):
+        node = Node()
+        node.me = node
+        weakref.finalize(node, freed.append, 1)
+        cycles.append(node)
+    del node
+    gc.collect()  # the cycles survive it: frozen
+    cycles.clear()  # garbage now, out of the collector's reach
+    for _ in range(9):
+        connection_closed()
+    gc.collect()
+    kept_after_nine = 2000 - len(freed)
+    connection_closed()
+    collections = 0
+    while len(freed) < 2000 and collections < 10:
+        gc.collect()
+        collections += 1
+    print(json.dumps({"kept_after_nine": kept_after_nine, "freed": len(freed), "collections": collections}))
+    undo()
+    """
+)
+
+
+def test_frozen_garbage_is_freed_once_the_connections_open_at_the_last_complete_collection_closed() -> None:
+    answer = subprocess.run([sys.executable, "-c", GARBAGE_OF_CLOSED_CONNECTIONS], capture_output=True, text=True,
+                            check=True, timeout=60)  # fmt: skip
+    result = json.loads(answer.stdout)
+    assert result["kept_after_nine"] == 2000
+    assert (result["freed"], result["collections"]) == (2000, 1)  # thawed as the tenth closed
+
+
 GARBAGE_IN_FROZEN_CYCLES = textwrap.dedent(
     """
     import gc, json, weakref

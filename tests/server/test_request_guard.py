@@ -7,6 +7,7 @@ a fully qualified name is the same name.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -14,7 +15,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
+from exporter.server.problems import Problem
+from exporter.server.request_guard import RequestGuard
 from tests.helpers.http import MSGPACK, raw_socket, read_until_closed, request
 from tests.helpers.ready_responses import ready_response
 from tests.server.test_attack_transport import settings_env
@@ -75,6 +79,53 @@ def test_the_header_cap_holds_for_a_kept_alive_connections_second_request(export
         connection.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + filler + b"\r\n\r\n")
         answer = read_until_closed(connection)
     assert problem(answer, 431)["field"] == "headers"
+
+
+def test_a_head_sent_in_pieces_leaves_no_timer_to_close_its_connection_once_idle(exporter: ExporterProcess) -> None:
+    """A head that takes several reads is timed once: answered, its kept-alive connection stays open and quiet past
+    the header timeout, and serves the next request."""
+    with raw_socket(exporter.url, timeout=10) as connection:
+        middle = len(HEALTHY) // 2
+        connection.sendall(HEALTHY[:middle])
+        time.sleep(0.2)  # the client's pace: the second piece is a read of its own
+        connection.sendall(HEALTHY[middle:])
+        answer = b""
+        while not answer.endswith(b"Healthy.\n"):
+            chunk = connection.recv(4096)
+            assert chunk, answer
+            answer += chunk
+        connection.settimeout(1.5 * HEADER_TIMEOUT)
+        try:
+            unexpected: bytes | None = connection.recv(4096)
+        except TimeoutError:
+            unexpected = None
+        assert unexpected is None, f"the idle connection got {unexpected!r}"
+        connection.settimeout(10)
+        first_answered(connection)
+
+
+def test_a_body_arriving_in_parts_is_limited_as_a_whole() -> None:
+    """Each part within --web.max-request-bytes, together past it: refused (413) once the whole passes the limit."""
+    parts: list[Message] = [
+        {"type": "http.request", "body": b"x" * 6, "more_body": True},
+        {"type": "http.request", "body": b"x" * 6, "more_body": False},
+    ]
+    read: list[bytes] = []
+
+    async def reading_app(scope: Scope, receive: Receive, send: Send) -> None:
+        while (message := await receive())["more_body"]:
+            read.append(message["body"])
+
+    async def client() -> Message:
+        return parts.pop(0)
+
+    def never(scope: Scope, problem: Problem) -> None:
+        raise AssertionError(f"refused before the body: {problem.detail}")
+
+    guard = RequestGuard(reading_app, max_bytes=10, read_timeout=10.0, allowed_hosts=None, answer=never)  # type: ignore[arg-type]
+    with pytest.raises(Problem) as refused:
+        asyncio.run(guard({"type": "http", "headers": []}, client, None))  # type: ignore[arg-type]
+    assert refused.value.status == 413 and read == [b"x" * 6]
 
 
 def trickled(connection: socket.socket, data: bytes) -> tuple[bytes, float]:

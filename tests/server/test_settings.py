@@ -15,6 +15,7 @@ from exporter.cli import build_parser
 from exporter.config.option import ENV_PREFIX, SettingsError, env_name
 from exporter.config.options import default_storage_path
 from exporter.config.settings import Settings, flag_of, markdown_table, serve_options, settings_from
+from exporter.exposition.series import LABEL_PRESETS, known_labels
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 NUMBERS = [name for name, kind in typing.get_type_hints(Settings).items() if kind in (int, float)]
@@ -111,12 +112,23 @@ def test_text_that_is_not_a_number_names_the_flag(capsys: pytest.CaptureFixture[
          "--web.tls-cert-file/--web.tls-key-file and --web.config.file exclude each other"),
         (("--web.metrics-basic-auth-file", "users", "--web.config.file", "w.yaml"),
          "--web.metrics-basic-auth-file and --web.config.file exclude each other"),
+        (("--metric.labels-denylist", "mamba_blok_size"),
+         "--metric.labels-denylist: no vLLM release from 0.20.0 to 0.34.0 has a label named 'mamba_blok_size' "
+         "(did you mean mamba_block_size"),
+        (("--metric.labels-preset", "compact", "--metric.labels-allowlist", "block_size"),
+         "--metric.labels-preset and --metric.labels-allowlist cannot be combined"),
     ],
 )  # fmt: skip
 def test_settings_that_cannot_work_name_their_flags(flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(SettingsError) as refused:
         serve(*flags)
     assert str(refused.value).startswith(message)
+
+
+def test_a_label_preset_is_an_allowlist_by_name_that_a_denylist_shortens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHE_CONFIG_EXPORTER_METRIC_LABELS_PRESET", "compact")
+    chosen = serve("--metric.labels-denylist", "num_cpu_blocks").info_labels()
+    assert {name for name in known_labels() if chosen.keeps(name)} == set(LABEL_PRESETS["compact"]) - {"num_cpu_blocks"}
 
 
 def test_the_base_config_file_is_named_by_its_flag(tmp_path: Path) -> None:

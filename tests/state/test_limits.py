@@ -84,6 +84,14 @@ def test_the_budget_boundary_one_byte_either_side() -> None:
     assert fleet.census.bytes == 200
 
 
+def test_a_replica_may_grow_up_to_the_budget_its_old_size_counted_once() -> None:
+    fleet = fleet_with(Limits(bytes=300))
+    push(fleet, KEY, 0, 1)  # 200 of 300
+    assert refused_field(push(fleet, KEY, 0, 1, 2)) is None  # grows to 300 of 300: its own 200 are not counted twice
+    assert fleet.census.bytes == 300
+    assert refused_field(push(fleet, KEY, 0, 1, 2, 3)) == "bytes"  # 400 of 300
+
+
 def test_a_shrink_passes_under_a_lowered_budget_and_growth_does_not() -> None:
     fleet = fleet_with(Limits(bytes=1000))
     push(fleet, ("d", "r1"), 0, 1)

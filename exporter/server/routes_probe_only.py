@@ -1,0 +1,66 @@
+"""The routes of ``serve --probe.only``: ``/probe`` and what an operator needs around it, nothing that ingests or
+reads stored state.
+
+A probe-only exporter keeps nothing (``exporter/probe/prober.py`` reads each target anew), so it opens no store:
+it runs on a read-only file system with no volume. Its ``/metrics`` is the exporter's own metrics (probes,
+process, build), ``/-/ready`` holds from the start, and ``/`` is the API reference of the routes it has. The
+ingest and state routes answer 404 saying why, for a plugin pointed at it by mistake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from exporter.config.settings import flag_of
+from exporter.errors import NotFound
+from exporter.exposition.formats import negotiate
+from exporter.server.openapi import Endpoint
+from exporter.server.routes import ENDPOINTS, Probing, docs
+
+# The exporter's routes that need no state: they stay, as they are.
+_STATELESS_PATHS = ("/probe", "/-/healthy", "/docs")
+
+
+@dataclass(frozen=True)
+class ProbeOnly(Probing):
+    """What a probe-only app's handlers work with (``app.state.exporter``): its own metrics' registry besides."""
+
+    registry: CollectorRegistry
+
+
+async def get_own_metrics(request: Request) -> Response:
+    """The exporter's own metrics: its probes by result, the process and the build (it keeps no cache config)."""
+    exporter: ProbeOnly = request.app.state.exporter
+    await exporter.credentials.require_reader(request)
+    served = negotiate(request.headers.get("accept", ""))
+    body = await run_in_threadpool(served.render, exporter.registry)  # the process metrics read /proc
+    return Response(body, media_type=served.content_type, headers={"Vary": "Accept"})
+
+
+async def ready_to_probe(request: Request) -> Response:
+    """Readiness: 200 once it serves, as it waits for no store (for probes; no credentials needed)."""
+    return PlainTextResponse("Ready.\n")
+
+
+async def not_kept_here(request: Request) -> Response:
+    """Ingest and the stored state: a probe-only exporter has neither."""
+    raise NotFound(
+        None, f"this exporter runs with {flag_of('probe_only')}: it takes no ready responses, keeps no state"
+    )
+
+
+PROBE_ONLY_ENDPOINTS = (
+    *(endpoint for endpoint in ENDPOINTS if endpoint.path in _STATELESS_PATHS),
+    Endpoint("/-/ready", ("GET",), ready_to_probe, answers=("text/plain",)),
+    Endpoint("/", ("GET",), docs, documented=False),
+    *(
+        endpoint._replace(handler=not_kept_here, documented=False)
+        for endpoint in ENDPOINTS
+        if endpoint.path.startswith("/api/")
+    ),
+)
