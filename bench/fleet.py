@@ -52,7 +52,7 @@ from bench.load import (
     info_series,
     labels,
 )
-from bench.procs import FLOOR_SERVER, HOST, Server, peak_rss_mb, rss_mb
+from bench.procs import HOST, Server, floor_server, peak_rss_mb, rss_mb
 
 HEARTBEAT_SECONDS = 30.0
 PROMETHEUS_SCRAPE_SECONDS = 15.0
@@ -287,8 +287,7 @@ def _exporter(workdir: Path) -> Iterator[Server]:
 def _floor(workdir: Path) -> Iterator[Server]:
     body = workdir / "floor-scrape.txt"
     body.write_bytes(b"")
-    command = [sys.executable, str(FLOOR_SERVER), "--host", HOST, "--body", str(body), "--port"]
-    with Server("floor", lambda port: [*command, str(port)], "/", workdir) as server:
+    with floor_server(body, workdir) as server:
         yield server
 
 

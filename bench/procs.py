@@ -8,13 +8,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
 HOST = "127.0.0.1"
-# The floor: a bare asyncio HTTP/1.1 server that only answers (see the module).
+# The floor: a bare asyncio HTTP/1.1 server that only answers, or commits each POST first (see the module).
 FLOOR_SERVER = Path(__file__).with_name("floor_server.py")
 
 
@@ -163,3 +164,10 @@ class Server:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def floor_server(body: Path, workdir: Path, *options: str, name: str = "floor") -> Server:
+    """The floor on a free loopback port, answering every GET with ``body``; ``options`` go to it as they are
+    (``--commit-per-post PATH``). Every benchmark and test starts it this way, so they measure the same server."""
+    command = [sys.executable, str(FLOOR_SERVER), "--host", HOST, "--body", str(body), *options, "--port"]
+    return Server(name, lambda port: [*command, str(port)], "/", workdir)

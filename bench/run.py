@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,7 +44,7 @@ from bench.load import (
     timed_requests,
     visible_latency,
 )
-from bench.procs import FLOOR_SERVER, HOST, CpuMeter, Server, peak_rss_mb, process_cpu_seconds, rss_mb
+from bench.procs import HOST, CpuMeter, Server, floor_server, peak_rss_mb, process_cpu_seconds, rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "latest.json"
@@ -53,6 +53,7 @@ PUSHGATEWAY = "prometheus-pushgateway"
 # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data: an empty value turns it off.
 PUSHGATEWAY_FLAGS = ["--persistence.file="]
 PUSHGATEWAY_MODE = "persistence off (--persistence.file= empty): state in memory only"
+FLOOR_COMMIT_MODE = "the floor with one SQLite row committed per POST/PUT before its 200 (WAL, synchronous=FULL)"
 INGEST_FROM = 100  # ingest is measured at every N from here on
 INGEST_TARGETS = 64  # engines an ingest run cycles through, spread over the N
 FILL_BLOCKS = 1997
@@ -63,8 +64,8 @@ EXPORTER_LIMITS = ["--limits.deployments", "100000", "--limits.bytes", str(2 << 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Measure the exporter against Pushgateway, prometheus_client and a bare floor server "
-        "on loopback, in one run; print tables of ratios and write JSON.",
+        description="Measure the exporter against Pushgateway, prometheus_client, a bare floor server and that floor "
+        "committing each POST to SQLite, on loopback, in one run; print tables of ratios and write JSON.",
     )
     parser.add_argument("--engines", help="comma-separated engine counts (default 1,100,1000,10000; quick: 1,100,1000)")
     parser.add_argument("--quick", action="store_true", help="shorter: 2 s per wrk run, 15 visibility checks, N<=1000")
@@ -136,6 +137,7 @@ def metadata(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "wrk": f"1 thread, {args.duration:g} s per run",
             "visible_reps": args.visible_reps,
             "pushgateway": PUSHGATEWAY_MODE,
+            "floor_commit": FLOOR_COMMIT_MODE,
             "storage": str(workdir / "bench.db"),
         },
     }
@@ -188,17 +190,14 @@ class Bench:
 
         body = self.workdir / f"scrape-{n}.txt"
         body.write_bytes(exposition)
-        floor_command = [sys.executable, str(FLOOR_SERVER), "--host", HOST, "--body", str(body), "--port"]
         targets = spread(population, INGEST_TARGETS)
-        with Server("floor", lambda port: [*floor_command, str(port)], "/", self.workdir) as floor:
-            self.cpu.running.append(floor)
-            try:
-                result["scrape"] = self.scrapes(floor)
-                if n >= INGEST_FROM:
-                    result["ingest"] = self.ingest(population, series, floor)
-                    result["sqlite_commit"] = sqlite_commit_rate(self.workdir, self.args.duration)
-            finally:
-                self.cpu.running.remove(floor)
+        with self._floor("floor", body) as floor:
+            result["scrape"] = self.scrapes(floor)
+            if n >= INGEST_FROM:
+                commit_file = self.workdir / f"floor-commit-{n}.db"
+                with self._floor("floor-commit", body, "--commit-per-post", str(commit_file)) as commit_floor:
+                    result["ingest"] = self.ingest(population, series, floor, commit_floor)
+                result["sqlite_commit"] = sqlite_commit_rate(self.workdir, self.args.duration)
         if n == self.args.engines[-1] and n >= INGEST_FROM:
             scrape, ingest = self.wrk(
                 self._scrape_job(self.exporter, "text"), self._ingest_job(self.exporter, targets, 1)
@@ -210,6 +209,16 @@ class Bench:
         result["visible"] = visible_latency(self.exporter.port, population[0], self.args.visible_reps, first_block_size)
         result["peak_rss_mb"] = {server.name: peak_rss_mb(server.pid) for server in self.cpu.running}
         return result
+
+    @contextlib.contextmanager
+    def _floor(self, name: str, body: Path, *options: str) -> Iterator[Server]:
+        """A floor server answering GETs with ``body``, counted as this run's own CPU while it is up."""
+        with floor_server(body, self.workdir, *options, name=name) as floor:
+            self.cpu.running.append(floor)
+            try:
+                yield floor
+            finally:
+                self.cpu.running.remove(floor)
 
     @staticmethod
     def _filled(server: Server, n: int) -> tuple[bytes, dict[tuple[str, int], bytes]]:
@@ -245,10 +254,10 @@ class Bench:
         return {name: self.wrk(job)[0] for name, job in jobs.items()}
 
     def ingest(
-        self, population: Sequence[Engine], series: dict[tuple[str, int], bytes], floor: Server
+        self, population: Sequence[Engine], series: dict[tuple[str, int], bytes], floor: Server, commit_floor: Server
     ) -> dict[str, dict[str, Any]]:
         """Every request changes state: the exporter (durable) on 1 and 8 connections, a DP=8 server's engines in one
-        request on 1, the floor, Pushgateway."""
+        request on 1, the floor and the floor that commits each POST (the same requests), Pushgateway."""
         targets = spread(population, INGEST_TARGETS)
         jobs = {
             "exporter_1": self._ingest_job(self.exporter, targets, 1),
@@ -257,6 +266,8 @@ class Bench:
             "exporter_heartbeat_1": wrk.Job(self.exporter.port, heartbeat_requests(targets)),
             "floor_1": self._ingest_job(floor, targets, 1),
             "floor_8": self._ingest_job(floor, targets, 8),
+            "floor_commit_1": self._ingest_job(commit_floor, targets, 1),
+            "floor_commit_8": self._ingest_job(commit_floor, targets, 8),
         }
         if self.pushgateway is not None:
             pushes = push_requests(targets, series, next(self.values))

@@ -4,11 +4,12 @@ The exporter has no HTTP client dependency of its own; uvicorn's, h11 (a sans-I/
 response, over asyncio's streams. Everything a target controls is bounded: the response head (16 KiB, the 1xx
 answers before it included), the body (``--probe.max-body-bytes``, checked against ``Content-Length`` before a
 byte of it is read, and against the bytes on the wire, chunk framing included, as they come), the time (the
-caller's deadline covers resolving, connecting, TLS and reading) and the event loop (h11's events are taken in
-``Turns``' slices: endless 1-byte chunks cost h11 about 13 us each). A body is never decoded (identity is
-asked for; any other ``Content-Encoding`` is refused unread). Redirects are not followed: they could lead
-outside the allowlist. A message says what broke and where, never the target's bytes. TLS and credentials for
-protected ``/metrics`` come from the settings; the secrets from files, read again when they change.
+caller's deadline covers resolving, connecting, TLS and reading) and the event loop (h11's events, about
+13 us each for endless 1-byte chunks, are taken in the probes' turns, ``turns.py``). A body is never decoded:
+identity is asked for, any other ``Content-Encoding`` is refused unread. Redirects are not followed: they
+could lead outside the allowlist. A message says what broke and where, never the target's bytes. TLS and
+credentials for protected ``/metrics`` come from the settings; the secrets from files, read again when they
+change.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from exporter import __version__
 from exporter.config.allowlist import Target
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
-from exporter.probe.turns import Turns
+from exporter.probe.turns import ProbeTurns
 from exporter.security.watched_files import Watched
 from protocol import tokens
 
@@ -109,7 +110,7 @@ class MetricsClient:
         return "https" if self.tls else "http"
 
     async def fetch(
-        self, target: Target, addresses: list[str], log: Callable[[str], None], turns: Turns, body: BodyReader
+        self, target: Target, addresses: list[str], log: Callable[[str], None], turns: ProbeTurns, body: BodyReader
     ) -> None:
         """``GET /metrics`` from the first of ``addresses`` that takes the connection, its body given to ``body``
         as it comes, in ``turns``' slices."""
@@ -161,7 +162,7 @@ class MetricsClient:
 
 
 class BodyReader(Protocol):
-    """What takes a response's body as it comes, in steps (``Turns`` runs them)."""
+    """What takes a response's body as it comes, in steps (the probe's turns run them)."""
 
     def feed(self, data: bytes) -> Generator[None, None, None]: ...
 

@@ -280,10 +280,10 @@ class Prober:
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
-                body = TextReader(self.max_engines)
-                await self.client.fetch(target, addresses, log, self.turns, body)
+                body, turns = TextReader(self.max_engines), self.turns.of_probe()
+                await self.client.fetch(target, addresses, log, turns, body)
                 log(f"read {body.bytes_read} bytes")
-                shown = await self.turns.run(body.finish())
+                shown = await turns.run(body.finish())
             # At most --limits.engines-per-deployment engines (1,024: 75 ms), off the loop; the request waits.
             series = await asyncio.to_thread(self._answer, shown, target, deployment, log)
         except ProbeFailed as failure:

@@ -7,10 +7,10 @@ prometheus_client's parser is pure Python, character by character: about 7 us a 
 a window of whole lines at C speed (every line a comment, blank, or ``name{label="value",...} value
 [timestamp]`` as text format 0.0.4 has it); only the lines of ``vllm:`` series are looked at in Python.
 ``TextReader.feed`` takes the body a piece at a time and keeps only the line not yet complete; it and
-``finish`` are generators that yield after each window and each such line, for ``Turns`` to run in slices.
-What a reader keeps is bounded whatever the body holds: one line of up to 64 KiB and the piece that came,
-engines by ``--limits.engines-per-deployment``, a few label sets per engine (the raw bytes of their labels),
-a few model names.
+``finish`` are generators that yield after each window and each such line, for the probe's turns
+(``turns.py``) to run in slices. What a reader keeps is bounded whatever the body holds: one line of up to
+64 KiB and the piece that came, engines by ``--limits.engines-per-deployment``, a few label sets per engine
+(the raw bytes of their labels), a few model names.
 """
 
 from __future__ import annotations

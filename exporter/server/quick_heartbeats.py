@@ -5,10 +5,11 @@ memory. Through uvicorn's ASGI task, the middleware and the router, each costs m
 Here a heartbeat that the app would answer 204 is answered from the protocol callback that completes it:
 the router's own match picks the route (kept per path), the route's own checks and change run as they are
 (its ``hear``, ``hear_heartbeat`` of ``exporter/server/routes.py``) behind the same Host check, and the 204 goes out
-through uvicorn's own ``send`` with the web config's headers, as the app's would. Anything else (a refusal, a
-body, a pipelined request, a paused transport, several workers sharing a store) is left to the app, which
-answers it exactly as it answers any request: the checks change nothing when they refuse, so the app's run of
-them refuses it again.
+through uvicorn's own ``send`` with the web config's headers, as the app's would: when its head takes the
+transport past its high-water mark (a client slower to read than the exporter answers), its end is sent as the
+app's would be, once the transport drains. Anything else (a refusal, a body, a paused transport, several workers
+sharing a store) is left to the app, which answers it exactly as it answers any request: the checks change
+nothing when they refuse, so the app's run of them refuses it again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, ClassVar
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Match
-from starlette.types import ASGIApp, Scope
+from starlette.types import ASGIApp, Message, Scope
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from exporter.server.request_guard import ConnectionState, GuardedHttpToolsProtocol, host_allowed
@@ -139,9 +140,22 @@ class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
             return
         # uvicorn's send, which awaits only a paused transport: it completes at once here.
         _complete_at_once(cycle.send({"type": "http.response.start", "status": 204, "headers": headers}))
-        _complete_at_once(cycle.send({"type": "http.response.body", "body": b"", "more_body": False}))
+        if self.flow.write_paused:  # the head took the transport past its mark: the end waits for it to drain
+            ending = self.loop.create_task(cycle.send(_END))
+            ending.add_done_callback(self.tasks.discard)
+            self.tasks.add(ending)
+            return
+        _complete_at_once(cycle.send(_END))
         if cycle is self.cycle:  # nothing reads it again (it had no body): an idle connection holds 2 KiB less
             self.cycle = self.scope = self.headers = None  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._connection.waiting = None  # it refers back to this protocol: a cycle
+
+
+# The end of a 204: no body.
+_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 def _complete_at_once(coroutine: Coroutine[Any, Any, None]) -> None:

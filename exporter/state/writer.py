@@ -260,16 +260,14 @@ class Writer:
     def submit(self, change: Change, writes: bool = True, weight: int = 1) -> Future[object]:
         """Queue a change; its future gets the change's result once committed, or its refusal.
 
-        ``writes=False``: the change only reads or touches; a batch of such changes alone takes no write lock.
-        ``weight``: the ready responses it takes (a batch takes ``MAX_BATCH`` at most).
-        """
+        ``writes=False``: the change only reads or touches; a batch of such changes alone takes no write lock;
+        ``weight``: the ready responses it takes (a batch takes ``MAX_BATCH`` at most)."""
         future: Future[object] = Future()
         self._queue.put(Job(change, future, writes, weight))
         return future
 
     def settle(self) -> Future[object]:
-        """A future done once what was heard before this call (heartbeats) is folded in and committed; the writer
-        folds it in before it takes the changes queued, so it waits for the batch under way at most."""
+        """Done once what was heard before (heartbeats) is committed: it waits for the batch under way at most."""
         return self._queue.settle()
 
     def refresh(self) -> Future[object]:

@@ -38,6 +38,7 @@ class _Handler(socketserver.BaseRequestHandler):
         self.request.settimeout(5)
         try:
             self.request.recv(65536)  # the probe's request, in one segment on loopback
+            self.server.requests += 1
             self.server.answer(self.request, self.server.stopped)
         except OSError:
             pass  # the exporter hung up: what it should do
@@ -53,6 +54,7 @@ class HostileTarget(socketserver.ThreadingTCPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.answer = answer
         self.stopped = threading.Event()
+        self.requests = 0  # answered or being answered
         self.target = f"127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -120,32 +122,35 @@ def gzip_bomb(inflated: int = 256 << 20) -> bytes:
 
 @dataclass
 class Beside:
-    """Heartbeats and scrapes timed back to back, each on a new connection, while the ``with`` block runs;
-    a request that failed or timed out counts as its timeout."""
+    """Heartbeats and scrapes timed back to back, each on a new connection, while the ``with`` block runs, and
+    probes of ``healthy`` (a vLLM target) when given; a request that failed or timed out counts as its timeout."""
 
     url: str
-    heartbeats: list[float] = field(default_factory=list)
-    scrapes: list[float] = field(default_factory=list)
-    failed: dict[str, int] = field(default_factory=lambda: {"heartbeat": 0, "scrape": 0})
+    healthy: str | None = None
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {"heartbeat": [], "scrape": [], "probe": []})
+    failed: dict[str, int] = field(default_factory=lambda: {"heartbeat": 0, "scrape": 0, "probe": 0})
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._time, daemon=True)
 
-    def _timed(self, kind: str, method: str, path: str, timeout: float, expected: int) -> float:
+    def _timed(self, kind: str, method: str, path: str, timeout: float, ok: Callable[[Reply], bool]) -> None:
         started = time.monotonic()
         try:
-            ok = request(self.url, method, path, timeout=timeout).status == expected
+            answered = ok(request(self.url, method, path, timeout=timeout))
         except OSError:
-            ok = False
-        self.failed[kind] += not ok
-        return time.monotonic() - started if ok else timeout
+            answered = False
+        self.failed[kind] += not answered
+        self.latencies[kind].append(time.monotonic() - started if answered else timeout)
 
     def _time(self) -> None:
         while not self._stop.is_set():
             path = "/api/v1/deployments/fleet/heartbeat?interval=30"
-            self.heartbeats.append(self._timed("heartbeat", "POST", path, HEARTBEAT_TIMEOUT, 204))
-            self.scrapes.append(self._timed("scrape", "GET", "/metrics", SCRAPE_TIMEOUT, 200))
+            self._timed("heartbeat", "POST", path, HEARTBEAT_TIMEOUT, lambda reply: reply.status == 204)
+            self._timed("scrape", "GET", "/metrics", SCRAPE_TIMEOUT, lambda reply: reply.status == 200)
+            if self.healthy is not None:
+                self._timed("probe", "GET", f"/probe?target={self.healthy}", SCRAPE_TIMEOUT,
+                            lambda reply: b"\ncache_config_probe_success 1.0\n" in reply.body)  # fmt: skip
             self._stop.wait(0.05)
 
     def __enter__(self) -> Beside:
@@ -156,7 +161,7 @@ class Beside:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=SCRAPE_TIMEOUT + 5)
+        self._thread.join(timeout=2 * SCRAPE_TIMEOUT + 5)
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -21,10 +21,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from exporter.probe.prober import SUCCESS
 from tests.helpers.health import health_latency
 from tests.helpers.http import request
 from tests.helpers.processes import memory_kib
 from tests.probe import hostile
+from tests.probe.test_probe import recorded_line, vllm_metrics
 from tests.support import ExporterProcess, wait_until
 
 LOOPBACK = "127.0.0.0/8"
@@ -44,29 +46,26 @@ def probe_results(served: ExporterProcess) -> dict[str, int]:
 
 
 def under_load(served: ExporterProcess, target: str, clients: int, seconds: float) -> dict[str, object]:
-    """``clients`` probing ``target`` for ``seconds`` (each at least once) beside heartbeats and scrapes; then
-    the exporter's CPU in the second that begins a second after the last answer, and its peak RSS above the
-    RSS before."""
+    """``clients`` probing ``target`` for ``seconds`` (each at least once) beside heartbeats, scrapes and probes
+    of a healthy vLLM target; then the exporter's CPU in the second that begins a second after the last
+    answer, and its peak RSS above the RSS before."""
     assert served.process is not None
-    with hostile.Beside(served.url) as idle:
-        wait_until(lambda: len(idle.scrapes) >= IDLE_ROUNDS, timeout=60)
-    before = memory_kib(served.process.pid)["VmRSS"]
-    with hostile.Beside(served.url) as beside:
-        answers = hostile.probing(served.url, target, clients, seconds)
+    with hostile.hostile(hostile.serving(vllm_metrics(recorded_line("qwen3-next")))) as healthy:
+        with hostile.Beside(served.url, healthy.target) as idle:
+            wait_until(lambda: len(idle.latencies["scrape"]) >= IDLE_ROUNDS, timeout=60)
+        before = memory_kib(served.process.pid)["VmRSS"]
+        with hostile.Beside(served.url, healthy.target) as beside:
+            answers = hostile.probing(served.url, target, clients, seconds)
     cpu = hostile.cpu_after(served.process.pid)
-    return {
-        "clients": clients,
-        "idle_heartbeat_p99_ms": round(hostile.percentile(idle.heartbeats, 0.99) * 1000, 1),
-        "idle_scrape_p99_ms": round(hostile.percentile(idle.scrapes, 0.99) * 1000, 1),
-        "heartbeats": len(beside.heartbeats),
-        "heartbeats_failed": beside.failed["heartbeat"],
-        "heartbeat_p99_ms": round(hostile.percentile(beside.heartbeats, 0.99) * 1000, 1),
-        "scrapes": len(beside.scrapes),
-        "scrapes_failed": beside.failed["scrape"],
-        "scrape_p99_ms": round(hostile.percentile(beside.scrapes, 0.99) * 1000, 1),
-        "probe_statuses": sorted({reply.status for reply, _ in answers}),
-        "probe_results": probe_results(served),
-        "probe_longest_s": round(max(took for _, took in answers), 3),
+    figures: dict[str, object] = {"clients": clients}
+    for kind in beside.latencies:
+        figures |= {f"idle_{kind}_p99_ms": round(hostile.percentile(idle.latencies[kind], 0.99) * 1000, 1),
+                    f"{kind}s": len(beside.latencies[kind]), f"{kind}s_failed": beside.failed[kind],
+                    f"{kind}_p99_ms": round(hostile.percentile(beside.latencies[kind], 0.99) * 1000, 1)}  # fmt: skip
+    return figures | {
+        "hostile_statuses": sorted({reply.status for reply, _ in answers}),
+        "hostile_results": {result: n for result, n in probe_results(served).items() if result != SUCCESS},
+        "hostile_longest_s": round(max(took for _, took in answers), 3),
         "cpu_seconds_in_the_second_after": round(cpu, 2),
         "rss_peak_above_start_mib": round((memory_kib(served.process.pid)["VmHWM"] - before) / 1024, 1),
     }

@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.probe.turns import Turns
+from exporter.probe.turns import LIGHT_SECONDS, SLICE_SECONDS, Turns
 from tests.helpers.exposition import single_value
 from tests.helpers.http import Reply
 from tests.probe import hostile
@@ -208,10 +208,11 @@ def test_a_name_is_looked_up_only_when_a_name_pattern_permits_it(
     assert lookups == ["vllm.models.svc"]
 
 
-def busy_steps(step_seconds: float, done: list[int]) -> Generator[None, None, None]:
-    """Endless work in steps of ``step_seconds``; ``done`` counts them, and ends with -1 once closed."""
+def busy_steps(step_seconds: float, done: list[int], steps: int | None = None) -> Generator[None, None, None]:
+    """Work in ``steps`` steps (endless: ``None``) of ``step_seconds``; ``done`` counts them, and ends with -1
+    once the work is closed."""
     try:
-        while True:
+        while steps is None or done[0] < steps:
             until = time.perf_counter() + step_seconds
             while time.perf_counter() < until:
                 pass
@@ -240,7 +241,7 @@ def test_probe_work_leaves_the_loop_turning_and_stops_at_its_deadline() -> None:
         async def bounded(done: list[int]) -> None:
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.5):
-                    await turns.run(busy_steps(0.0002, done))
+                    await turns.of_probe().run(busy_steps(0.0002, done))
 
         ticking = asyncio.create_task(tick())
         started = time.perf_counter()
@@ -258,3 +259,26 @@ def test_probe_work_leaves_the_loop_turning_and_stops_at_its_deadline() -> None:
     assert [done[0] for done in works] == at_the_deadline
     busy = sum(done[0] for done in works) * 0.0002
     assert busy < 0.6 * took, (busy, took)
+
+
+def test_a_light_probe_works_before_heavy_ones() -> None:
+    """Four probes that have parsed for a while, and one that asks for a few steps: it gets the next turn, so
+    at most the slice in progress runs before it is done, not one slice of each heavy probe."""
+
+    async def run() -> tuple[int, int]:
+        turns, heavy = Turns(), [[0] for _ in range(4)]
+        running = [asyncio.create_task(turns.of_probe().run(busy_steps(0.0002, done))) for done in heavy]
+        async with asyncio.timeout(10):  # until each has worked past LIGHT_SECONDS
+            while min(done[0] for done in heavy) * 0.0002 <= LIGHT_SECONDS:
+                await asyncio.sleep(0.01)
+        before = sum(done[0] for done in heavy)
+        await turns.of_probe().run(busy_steps(0.0002, [0], steps=5))
+        after = sum(done[0] for done in heavy)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        return before, after
+
+    before, after = asyncio.run(run())
+    slice_steps = SLICE_SECONDS / 0.0002
+    assert after - before <= slice_steps + 1, (before, after)

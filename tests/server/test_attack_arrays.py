@@ -12,14 +12,11 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import msgspec
-import pytest
 
 from tests.helpers.figures import record
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response
 from tests.support import ExporterProcess
-
-pytestmark = pytest.mark.slow
 
 ENGINES = 980
 # An array of 980 real-shaped responses is about 520 KB: the body cap is raised for it, as for a fleet's largest.
