@@ -11,7 +11,14 @@ from prometheus_client import CollectorRegistry
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
 from tests.helpers.figures import pytest_terminal_summary  # noqa: F401  (prints the figures tests record)
-from tests.support import ExporterProcess
+from tests.support import ExporterProcess, is_slow_file
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow_file(item.path):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

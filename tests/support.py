@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import signal
@@ -20,6 +21,25 @@ from tests.helpers.http import request
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-ready"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+# Files whose every test is long: attacks and reliability (floods, crash loops, faults, time limits run out),
+# hostile targets, fleets expiring and restarting, slow readers, a real Prometheus, a real browser. conftest.py
+# marks their tests ``slow`` (README, Development); single long tests elsewhere carry the mark themselves.
+SLOW_FILES = (
+    "test_attack_*.py",
+    "test_reliability_*.py",
+    "test_*hostile*.py",
+    "test_fleet*.py",
+    "test_slow_readers.py",
+    "test_prometheus.py",
+    "test_pages_in_chromium.py",
+)
+
+
+def is_slow_file(path: Path) -> bool:
+    """Whether every test of this file is long (``SLOW_FILES``)."""
+    return any(fnmatch.fnmatch(path.name, pattern) for pattern in SLOW_FILES)
 
 
 def fixture_bytes(name: str, suffix: str = "msgpack") -> bytes:

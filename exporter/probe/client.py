@@ -136,9 +136,7 @@ class MetricsClient:
         connection = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         response = _Response(connection, self.max_body_bytes, body)
         try:
-            writer.write(
-                response.connection.send(self._request(target)) + (response.connection.send(h11.EndOfMessage()) or b"")
-            )
+            writer.write(connection.send(self._request(target)) + (connection.send(h11.EndOfMessage()) or b""))
             while not await turns.run(response.events()):
                 response.receive(await reader.read(_READ_BYTES))
         except (h11.RemoteProtocolError, h11.LocalProtocolError):

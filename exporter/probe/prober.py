@@ -148,7 +148,7 @@ def read_vllm(
         )
     except (InvalidPayload, msgspec.ValidationError) as error:
         invalid = error if isinstance(error, InvalidPayload) else InvalidPayload.from_msgspec(error)
-        raise ProbeFailed("invalid", _named(invalid, release)) from None
+        raise ProbeFailed("invalid", _without_value(invalid, release)) from None
     # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
     count = len(label_sets)
     now = time.time()
@@ -162,11 +162,13 @@ def read_vllm(
     return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
 
 
-def _named(invalid: InvalidPayload, release: Release) -> str:
-    """An impossible label named by the release's name for it and the rule it breaks, without its value."""
+def _without_value(invalid: InvalidPayload, release: Release) -> str:
+    """An impossible label by the release's name for it and the rule its value breaks, never the value."""
     name = invalid.field.removeprefix("$.")
     shown, quoted, rule = invalid.reason.rpartition(" is not ")
     reason = f"its value is not {rule}" if quoted and shown[:1] in "'\"" else invalid.reason
+    if name == "$":
+        return f"the labels: {reason}"
     return f"label {name if name in release.default_labels() else 'of a later build'}: {reason}"
 
 

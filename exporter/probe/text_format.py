@@ -16,9 +16,10 @@ a window of whole lines at C speed (every line a comment, blank, or ``name{label
 from __future__ import annotations
 
 import re
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import NoReturn
+from functools import partial
+from typing import NoReturn, TypeVar
 
 from exporter.config.settings import flag_of
 from exporter.probe.client import ProbeFailed
@@ -33,23 +34,29 @@ MAX_LABEL_SETS = 8
 MAX_MODELS = 16
 MAX_ENGINE_DIGITS = 5
 _MAX_ENGINES_FLAG = flag_of("max_engines_per_deployment")
+T = TypeVar("T")
 
+_AT_START = rb"[ \t]*+"
 _NAME = rb"[a-zA-Z_:][a-zA-Z0-9_:]*+"
-_VALUE_TEXT = rb'"(?:[^"\\\n]++|\\.)*+"'
-_LABEL = rb"[a-zA-Z_][a-zA-Z0-9_]*+[ \t]*+=[ \t]*+" + _VALUE_TEXT
+_LABEL_NAME = rb"[a-zA-Z_][a-zA-Z0-9_]*+"
+_QUOTED = rb'(?:[^"\\\n]++|\\.)*+'  # a label value between its quotes: any escaped character, no bare quote
+_LABEL = _LABEL_NAME + rb'[ \t]*+=[ \t]*+"' + _QUOTED + rb'"'
 _LABELS = rb"\{[ \t]*+(?:" + _LABEL + rb"[ \t]*+(?:,[ \t]*+" + _LABEL + rb"[ \t]*+)*+(?:,[ \t]*+)?+)?+\}"
 _NUMBER = rb"[+-]?+(?:(?:[0-9]++(?:\.[0-9]*+)?+|\.[0-9]++)(?:[eE][+-]?+[0-9]++)?+|(?i:inf(?:inity)?+|nan))"
 _SERIES = _NAME + rb"(?:[ \t]*+" + _LABELS + rb"[ \t]*+|[ \t]++)"
 _SAMPLE = _SERIES + _NUMBER + rb"(?:[ \t]++-?+[0-9]++)?+"
 # Whole lines from the start, each a comment, a sample or blank; where the match ends, a line breaks the format.
-_LINES = re.compile(rb"(?:[ \t]*+(?:#[^\n]*+|" + _SAMPLE + rb")?+[ \t\r]*+(?:\n|\Z))*+")
-_VLLM_LINE = re.compile(rb"^[ \t]*+vllm:", re.MULTILINE)
-_NAME_AND_LABELS = re.compile(rb"[ \t]*+(" + _NAME + rb")[ \t]*+(" + _LABELS + rb")?+")
-_EACH_LABEL = re.compile(rb'([a-zA-Z_][a-zA-Z0-9_]*+)[ \t]*+=[ \t]*+"((?:[^"\\\n]++|\\.)*+)"')
+_LINES = re.compile(rb"(?:" + _AT_START + rb"(?:#[^\n]*+|" + _SAMPLE + rb")?+[ \t\r]*+(?:\n|\Z))*+")
+_VLLM_LINE = re.compile(rb"^" + _AT_START + rb"vllm:", re.MULTILINE)
+_NAME_AND_LABELS = re.compile(_AT_START + rb"(" + _NAME + rb")[ \t]*+(" + _LABELS + rb")?+")
+_EACH_LABEL = re.compile(rb"(" + _LABEL_NAME + rb')[ \t]*+=[ \t]*+"(' + _QUOTED + rb')"')
+# A sample's labels up to its model_name label, each label before it read whole (a value may hold any text).
+_MODEL_NAME = re.compile(
+    rb"\{(?:[ \t]*+" + _LABEL + rb'[ \t]*+,)*?[ \t]*+model_name[ \t]*+=[ \t]*+"(' + _QUOTED + rb')"'
+)
 _ESCAPED = re.compile(rb"\\(.)")
 _UNESCAPED = {b"\\": b"\\", b'"': b'"', b"n": b"\n"}
 # How a broken line is told: the first of these it does not match (it is neither blank nor a comment).
-_AT_START = rb"[ \t]*+"
 _RULES = tuple(
     (re.compile(pattern), broken)
     for pattern, broken in (
@@ -82,6 +89,17 @@ def _broken_rule(body: bytearray, start: int, end: int) -> str:
     return "its timestamp is no whole number, or more follows it"
 
 
+def label_value(escaped: bytes) -> str:
+    """A label value as the text format escapes it (backslash, quote and newline after a backslash), unescaped;
+    a ``ValueError`` when it is not UTF-8."""
+    if b"\\" in escaped:
+        escaped = _ESCAPED.sub(lambda pair: _UNESCAPED.get(pair.group(1), pair.group(0)), escaped)
+    try:
+        return escaped.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("a label value is not UTF-8") from None
+
+
 def label_values(labels: bytes) -> dict[str, str]:
     """The labels of a sample's ``{...}`` (checked by ``_LINES``), unescaped; a ``ValueError`` names the rule
     broken."""
@@ -90,11 +108,7 @@ def label_values(labels: bytes) -> dict[str, str]:
         name = label.group(1).decode("ascii")
         if name in values:
             raise ValueError("a label name appears twice")
-        value = _ESCAPED.sub(lambda escaped: _UNESCAPED.get(escaped.group(1), escaped.group(0)), label.group(2))
-        try:
-            values[name] = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError("a label value is not UTF-8") from None
+        values[name] = label_value(label.group(2))
     return values
 
 
@@ -128,7 +142,7 @@ class TextReader:
         shown = Shown(models=self.models)
         for engine, sets in sorted(self.label_sets.items()):
             raw, (_, *where) = max(sets.items(), key=lambda item: item[1][0])  # the first seen of the most frequent
-            labels = self._labels(raw, _place(*where))
+            labels = self._checked(partial(label_values, raw), partial(_place, *where))
             del labels["engine"]
             shown.engines[engine] = (labels, len(sets))
             yield
@@ -178,11 +192,13 @@ class TextReader:
     def _where(self, start: int) -> str:
         return _place(*self._location(start))
 
-    def _labels(self, labels: bytes, where: str) -> dict[str, str]:
+    @staticmethod
+    def _checked(read: Callable[[], T], where: Callable[[], str]) -> T:
+        """What ``read`` reads of a line; where the line is is worked out only when it breaks a rule."""
         try:
-            return label_values(labels)
+            return read()
         except ValueError as broken:
-            raise ProbeFailed("invalid", f"{where}: {broken}") from None
+            raise ProbeFailed("invalid", f"{where()}: {broken}") from None
 
     def _series(self, start: int) -> None:
         """Note what one line of a ``vllm:`` series shows: an info sample's labels, or its ``model_name``."""
@@ -191,15 +207,15 @@ class TextReader:
         name, labels = series.group(1), series.group(2) or b""
         if name == _INFO:
             self._info(labels, start)
-        elif b"model_name" in labels:
-            model = self._labels(labels, self._where(start)).get("model_name")
-            if model is not None:
+        elif b"model_name" in labels and (found := _MODEL_NAME.match(labels)):
+            model = self._checked(partial(label_value, found.group(1)), partial(self._where, start))
+            if model not in self.models:
                 self.models.add(model)
                 if len(self.models) > MAX_MODELS:
                     raise ProbeFailed("invalid", f"{self._where(start)}: more than {MAX_MODELS} model_name values")
 
     def _info(self, labels: bytes, start: int) -> None:
-        engine = self._labels(labels, self._where(start)).get("engine", "")
+        engine = self._checked(partial(label_values, labels), partial(self._where, start)).get("engine", "")
         if not engine.isdigit() or len(engine) > MAX_ENGINE_DIGITS:
             raise ProbeFailed("invalid", f"{self._where(start)}: {INFO} has no engine label of at most "
                                          f"{MAX_ENGINE_DIGITS} digits")  # fmt: skip

@@ -146,7 +146,9 @@ class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
             self.tasks.add(ending)
             return
         _complete_at_once(cycle.send(_END))
-        if cycle is self.cycle:  # nothing reads it again (it had no body): an idle connection holds 2 KiB less
+        # Nothing reads it again (it had no body): an idle connection holds 2 KiB less. Unless the next request's
+        # head is begun: its scope and headers are being parsed.
+        if cycle is self.cycle and not self._connection.head_begun:
             self.cycle = self.scope = self.headers = None  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -133,8 +133,9 @@ class ExporterState:
 
         As if ``apply_ready`` were called for each ``(engine, response, payload, wire_format)`` in order (a new
         ``instance_id`` drops the engines before it; an engine's later response replaces its earlier one), but
-        each is checked alone (caps, byte budget, sync): a refused one is named in ``ReadyOutcome.refused`` and
-        the others go on. The future fails only with ``StorageUnavailable``: then nothing was accepted.
+        each is checked alone (caps, sync): a refused one is named in ``ReadyOutcome.refused`` and the others go
+        on; past the byte budget the array is cut where it crosses it (``exporter/state/ready_arrays.py``). The
+        future fails only with ``StorageUnavailable``: then nothing was accepted.
         """
         return self._submit(changes.ready, key, tuple(reports), heartbeat_seconds, weight=len(reports))
 

@@ -12,10 +12,10 @@ against running totals, each check in constant time:
   one response standing for each distinct set of them, so a check looks at a handful of responses; engines that
   agree have few such sets;
 - the byte budget (``within_budget``): the replica the pass makes is measured once. Only past the budget is the
-  array cut where it crosses: the replica of its first *k* responses taken is measured for a few *k*, each guessed
-  from the sizes measured so far (an engine's lines take about as much as the next one's) and bisected where
-  guesses stall, until *k* fits and *k* + 1 does not. Response *k* + 1 is refused as taking the replica past the
-  budget, and every later one the other checks would take as finding it at the budget.
+  array cut where it crosses: the replica of its first *k* responses taken is measured for a few *k* (``crossing``:
+  the first guessed, as an engine's lines take about as much as the next one's; then steps of one, two, four...
+  responses from it; then bisection), until *k* fits and *k* + 1 does not. Response *k* + 1 is refused as taking
+  the replica past the budget, and every later one the other checks would take as finding it at the budget.
 """
 
 from __future__ import annotations

@@ -210,7 +210,6 @@ def test_a_killed_replica_expires_and_a_clean_shutdown_says_goodbye(
     assert expired(exporter) == 1
 
 
-@pytest.mark.slow
 def test_exporter_away_for_60_seconds_while_replicas_start_gets_every_replica_within_one_heartbeat(
     later: Callable[[str], ExporterProcess],
     fleet: Callable[..., Replica],

@@ -111,7 +111,7 @@ class TargetServer(http.server.ThreadingHTTPServer):
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.released = threading.Event()  # ends the waits of slow responses at teardown
         self.target = f"127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()  # stops within 50 ms
 
     def stop(self) -> None:
         self.released.set()
@@ -699,6 +699,7 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], Prometheus
         server.stop()
 
 
+@pytest.mark.slow  # a real Prometheus
 def test_prometheus_probes_through_the_exporter_with_every_readme_configuration(
     start_exporter: Callable[..., ExporterProcess],
     serve_target: Callable[..., TargetServer],

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exporter.probe.turns import LIGHT_SECONDS, SLICE_SECONDS, Turns
-from tests.helpers.exposition import single_value
+from tests.helpers.exposition import info_labels, single_value
 from tests.helpers.http import Reply
 from tests.probe import hostile
 from tests.probe.test_probe import LOOPBACK, recorded_line, vllm_metrics
@@ -122,6 +122,15 @@ def test_valid_lines_of_every_shape_pass(
     client = make_client(probe_allowed_targets=(LOOPBACK,))
     served = target(hostile.serving(vllm_metrics(INFO_LINE, *(f"{line}\n" for line in lines))))
     assert single_value(probe(client, served).text, "cache_config_probe_success") == 1.0
+
+
+def test_the_model_name_is_the_label_not_text_inside_another_value(
+    make_client: Callable[..., TestClient], target: Callable[[hostile.Answer], str]
+) -> None:
+    running = 'vllm:num_requests_running{note="a,model_name=\\"other\\"",model_name="served-model",engine="0"} 0\n'
+    client = make_client(probe_allowed_targets=(LOOPBACK,))
+    served = target(hostile.serving(vllm_metrics(INFO_LINE, model_name=None) + running.encode()))
+    assert set(info_labels(probe(client, served).text, "served-model")) == {"0"}
 
 
 def test_chunk_framing_counts_against_the_body_cap(

@@ -122,12 +122,14 @@ def run_in_venv(
     )
 
 
+@pytest.mark.slow
 def test_the_stand_in_matches_the_real_vllm(vllm_venv: Path) -> None:
     compared = run_in_venv(vllm_venv, "-m", "tests.real_vllm.compare_standin")
     assert compared.returncode == 0, compared.stderr[-5000:]
     assert json.loads(compared.stdout) == []
 
 
+@pytest.mark.slow
 def test_the_plugin_tests_pass_against_the_real_vllm(vllm_venv: Path) -> None:
     run = run_in_venv(
         vllm_venv,
@@ -425,12 +427,9 @@ class Configuration:
 
 
 CONFIGURATIONS = [
-    # A dense model's DP ranks are independent engines (data_parallel_size 1 each); one API server per rank.
-    # With two API servers vLLM's main process kills them at once on SIGTERM (--shutdown-timeout 0): their goodbye
-    # is a race (7 of 11 here, docs/VLLM_CONFIGURATIONS.md); the README's advice, a shutdown timeout, makes it sure.
-    Configuration(
-        "dense-dp2", "llama", ("--data-parallel-size", "2", "--shutdown-timeout", "10"), engines=2, api_servers=2
-    ),
+    # A dense model's DP ranks are independent engines (data_parallel_size 1 each); one API server per rank, the
+    # default. vLLM's main process kills them at once on SIGTERM; the goodbye is the main process's own.
+    Configuration("dense-dp2", "llama", ("--data-parallel-size", "2"), engines=2, api_servers=2),
     # MoE: one DP group; the CPU build fails every request (all_gatherv of the expert dispatch is not implemented).
     Configuration(
         "moe-hybrid-dp2",

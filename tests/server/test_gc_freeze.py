@@ -104,28 +104,39 @@ def test_once_as_many_connections_closed_as_were_open_at_the_last_complete_colle
     assert not any(pacing.connection_closed() for _ in range(198))
 
 
-GARBAGE_OF_CLOSED_CONNECTIONS = textwrap.dedent(
+def frozen_garbage(connections: int, then: str) -> str:
+    """A script: with ``connections`` open, a complete collection, then 2,000 objects in cycles frozen by the next
+    one and made garbage (``freed`` counts those freed), then ``then``."""
+    return textwrap.dedent(
+        """
+        import gc, json, weakref
+        from exporter.server.gc_freeze import connection_closed, connection_opened, freeze_survivors
+
+        class Node:
+            pass
+
+        freed = []
+        undo = freeze_survivors()
+        for _ in range(CONNECTIONS):
+            connection_opened()
+        gc.collect()  # complete: what the process holds now is the measure
+        cycles = []
+        for _ in range(2000):
+            node = Node()
+            node.me = node
+            weakref.finalize(node, freed.append, 1)
+            cycles.append(node)
+        del node
+        gc.collect()  # the cycles survive it: frozen
+        frozen_with_cycles = gc.get_freeze_count()
+        cycles.clear()  # garbage now, out of the collector's reach
+        """
+    ).replace("CONNECTIONS", str(connections)) + textwrap.dedent(then)
+
+
+GARBAGE_OF_CLOSED_CONNECTIONS = frozen_garbage(
+    10,
     """
-    import gc, json, weakref
-    from exporter.server.gc_freeze import connection_closed, connection_opened, freeze_survivors
-
-    class Node:
-        pass
-
-    freed = []
-    undo = freeze_survivors()
-    for _ in range(10):
-        connection_opened()
-    gc.collect()  # complete, with 10 connections open
-    cycles = []
-    for _ in range(2000):
-        node = Node()
-        node.me = node
-        weakref.finalize(node, freed.append, 1)
-        cycles.append(node)
-    del node
-    gc.collect()  # the cycles survive it: frozen
-    cycles.clear()  # garbage now, out of the collector's reach
     for _ in range(9):
         connection_closed()
     gc.collect()
@@ -137,7 +148,7 @@ GARBAGE_OF_CLOSED_CONNECTIONS = textwrap.dedent(
         collections += 1
     print(json.dumps({"kept_after_nine": kept_after_nine, "freed": len(freed), "collections": collections}))
     undo()
-    """
+    """,
 )
 
 
@@ -149,27 +160,9 @@ def test_frozen_garbage_is_freed_once_the_connections_open_at_the_last_complete_
     assert (result["freed"], result["collections"]) == (2000, 1)  # thawed as the tenth closed
 
 
-GARBAGE_IN_FROZEN_CYCLES = textwrap.dedent(
+GARBAGE_IN_FROZEN_CYCLES = frozen_garbage(
+    0,
     """
-    import gc, json, weakref
-    from exporter.server.gc_freeze import freeze_survivors
-
-    class Node:
-        pass
-
-    freed = []
-    undo = freeze_survivors()
-    gc.collect()  # complete: what the process holds now is the measure
-    cycles = []
-    for _ in range(2000):
-        node = Node()
-        node.me = node
-        weakref.finalize(node, freed.append, 1)
-        cycles.append(node)
-    del node
-    gc.collect()  # the cycles survive it: frozen
-    frozen_with_cycles = gc.get_freeze_count()
-    cycles.clear()  # garbage now, out of the collector's reach
     gc.collect()
     kept_while_frozen = 2000 - len(freed)
     heap = [[{}] for _ in range(frozen_with_cycles)]  # the heap grows by more than half
@@ -180,7 +173,7 @@ GARBAGE_IN_FROZEN_CYCLES = textwrap.dedent(
     print(json.dumps({"frozen_with_cycles": frozen_with_cycles, "kept_while_frozen": kept_while_frozen,
                       "freed": len(freed), "collections": collections, "frozen_after": gc.get_freeze_count()}))
     undo()
-    """
+    """,
 )
 
 

@@ -42,7 +42,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return counted
 
 
-def test_a_msgpack_ready_response_is_decoded_four_times_at_ingest_and_never_at_a_scrape(
+def test_a_msgpack_ready_response_is_decoded_four_times_at_ingest_never_at_a_scrape_once_to_be_listed(
     client: TestClient, counts: Counter[str]
 ) -> None:
     pushed = client.post(
@@ -53,5 +53,6 @@ def test_a_msgpack_ready_response_is_decoded_four_times_at_ingest_and_never_at_a
     counts.clear()
     assert client.get("/metrics").status_code == 200
     assert counts == {}
-    assert client.get("/api/v1/deployments").status_code == 200
-    assert counts == {"untyped decode": 1, "JSON encode": 1}
+    for _ in range(2):  # the listing keeps each replica's JSON until the replica changes
+        assert client.get("/api/v1/deployments").status_code == 200
+        assert counts == {"untyped decode": 1, "JSON encode": 1}

@@ -204,7 +204,6 @@ def ready_path(name: str, engine: object = None) -> str:
 # The tests -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_random_bytes_in_any_content_type(checked: Checked, record_property: Callable[[str, object], None]) -> None:
     @settings(max_examples=2000, **SETTINGS)
     @given(
@@ -218,7 +217,6 @@ def test_random_bytes_in_any_content_type(checked: Checked, record_property: Cal
     run(checked, record_property, "random_bytes", check)
 
 
-@pytest.mark.slow
 def test_mutated_msgpack_ready_responses(checked: Checked, record_property: Callable[[str, object], None]) -> None:
     @settings(max_examples=2500, **SETTINGS)
     @given(body=mutated(), name=st.sampled_from(DEPLOYMENTS), content_type=st.sampled_from(READY_TYPES[:3]))
@@ -228,7 +226,6 @@ def test_mutated_msgpack_ready_responses(checked: Checked, record_property: Call
     run(checked, record_property, "mutated_msgpack", check)
 
 
-@pytest.mark.slow
 def test_wrong_types_huge_values_and_nesting(checked: Checked, record_property: Callable[[str, object], None]) -> None:
     @settings(max_examples=2500, **SETTINGS)
     @given(document=ready_documents(), wire=st.sampled_from(["msgpack", "json"]), name=st.sampled_from(DEPLOYMENTS))
@@ -239,7 +236,6 @@ def test_wrong_types_huge_values_and_nesting(checked: Checked, record_property: 
     run(checked, record_property, "wrong_types", check)
 
 
-@pytest.mark.slow
 def test_engine_indexes_inside_and_outside_data_parallel_size(
     checked: Checked, record_property: Callable[[str, object], None]
 ) -> None:
@@ -261,7 +257,6 @@ def test_engine_indexes_inside_and_outside_data_parallel_size(
     run(checked, record_property, "engine_indexes", check)
 
 
-@pytest.mark.slow
 def test_hostile_deployment_names_on_every_route(
     checked: Checked, record_property: Callable[[str, object], None]
 ) -> None:
@@ -299,7 +294,6 @@ def cache_configs(draw: st.DrawFn) -> bytes:
     return body
 
 
-@pytest.mark.slow
 def test_static_cache_configs_cannot_break_or_forge_series(
     checked: Checked, record_property: Callable[[str, object], None]
 ) -> None:

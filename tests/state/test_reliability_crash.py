@@ -129,7 +129,6 @@ def check_stored(exporter: ExporterProcess, ledger: Ledger) -> tuple[set[Slot], 
     return ledger.lost(stored), ledger.phantom(stored)
 
 
-@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_nothing_acknowledged(
     start_exporter: Callable[..., ExporterProcess], tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
