@@ -53,7 +53,8 @@ def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path:
         assert sorted(listed) == ["cache_config_exporter-0.1.0.dist-info", "exporter", "protocol"]
 
         # The init container of the Kubernetes example: its command, as the image's user, read-only root.
-        example = yaml.safe_load((work / "deploy" / "kubernetes" / "examples" / "vllm.yaml").read_text())
+        documents = yaml.safe_load_all((work / "deploy" / "kubernetes" / "examples" / "vllm.yaml").read_text())
+        (example,) = [document for document in documents if document and document.get("kind") != "Service"]
         (init,) = example["spec"]["template"]["spec"]["initContainers"]
         shared = init["volumeMounts"][0]["mountPath"]
         copied = run([docker, "run", "--rm", "--read-only", "--tmpfs", f"{shared}:uid=10987,gid=10987",

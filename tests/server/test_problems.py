@@ -21,6 +21,7 @@ from exporter.errors import (
     UnknownReplica,
     UnsupportedMediaType,
 )
+from exporter.probe.prober import TooManyProbes
 from exporter.server.problems import problem_for
 from protocol import InvalidPayload, MalformedPayload, SyncConflict
 
@@ -42,6 +43,7 @@ from protocol import InvalidPayload, MalformedPayload, SyncConflict
         (ClientDisconnected("body", "gone"), 400, "client_disconnected"),
         (HeadersTooLarge("headers", "over the cap"), 431, "header_too_large"),
         (HeaderTimeout("headers", "too slow"), 408, "header_timeout"),
+        (TooManyProbes("target", "16 probes are running"), 503, "probes_busy"),
     ],
 )
 def test_each_refusal_has_its_status_and_names_the_field(error: Exception, status: int, reason: str) -> None:
@@ -75,7 +77,7 @@ def test_no_module_but_the_table_gives_a_refusal_its_status() -> None:
     exporter = Path(__file__).resolve().parents[2] / "exporter"
     found = {
         path.name: by_hand.findall(path.read_text())
-        for path in sorted(exporter.glob("*.py"))
+        for path in sorted(exporter.rglob("*.py"))
         if path.name != "problems.py" and by_hand.search(path.read_text())
     }
     assert found == {}
