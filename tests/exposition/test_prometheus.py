@@ -28,6 +28,7 @@ from tests.helpers.prometheus import (
     dashboard_queries,
     promtool,
     recorded_names,
+    running_prometheus,
 )
 from tests.helpers.ready_responses import push_ready
 from tests.support import ExporterProcess, fixture_bytes
@@ -135,24 +136,21 @@ def vllm_job(server: VllmStandIn) -> dict[str, Any]:
 def start_prometheus(tmp_path: Path) -> Iterator[Callable[..., PrometheusServer]]:
     """Start a Prometheus that scrapes the exporter (job ``cache-config-exporter``, ``relabelled`` as docs/metrics.md's
     join says), and ``jobs``, every second, and evaluates the shipped rules."""
-    servers: list[PrometheusServer] = []
+    with running_prometheus() as run:
 
-    def start(exporter: ExporterProcess, *jobs: dict[str, Any], relabelled: bool = False) -> PrometheusServer:
-        directory = tmp_path / f"prometheus-{len(servers)}"
-        directory.mkdir()
-        server = PrometheusServer(directory, [f"127.0.0.1:{exporter.port}"])
-        config = json.loads(server.config.read_text())
-        config["rule_files"] = [str(RULES)]
-        if relabelled:
-            config["scrape_configs"][0]["metric_relabel_configs"] = joining_relabelling()
-        config["scrape_configs"] += jobs
-        server.config.write_text(json.dumps(config))
-        servers.append(server)
-        return server.start()
+        def start(exporter: ExporterProcess, *jobs: dict[str, Any], relabelled: bool = False) -> PrometheusServer:
+            directory = tmp_path / f"prometheus-{len(list(tmp_path.glob('prometheus-*')))}"
+            directory.mkdir()
+            server = PrometheusServer(directory, [f"127.0.0.1:{exporter.port}"])
+            config = json.loads(server.config.read_text())
+            config["rule_files"] = [str(RULES)]
+            if relabelled:
+                config["scrape_configs"][0]["metric_relabel_configs"] = joining_relabelling()
+            config["scrape_configs"] += jobs
+            server.config.write_text(json.dumps(config))
+            return run(server)
 
-    yield start
-    for server in servers:
-        server.stop()
+        yield start
 
 
 def answers(prometheus: PrometheusServer, queries: list[str], timeout: float = 30) -> dict[str, list[dict[str, Any]]]:

@@ -3,10 +3,12 @@ Prometheus server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +166,19 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+@contextlib.contextmanager
+def running_prometheus() -> Iterator[Callable[[PrometheusServer], PrometheusServer]]:
+    """Starts each Prometheus handed to it and stops every one of them at the end, whatever the test did."""
+    servers: list[PrometheusServer] = []
+
+    def start(server: PrometheusServer) -> PrometheusServer:
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()

@@ -680,14 +680,20 @@ class FailingEngineManager:
         raise TimeoutError(f"engine cores still running after {timeout} s")
 
 
-def test_vllm_own_shutdown_failing_still_ends_in_the_goodbye_and_its_error_stays_vllm_own(
-    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
-) -> None:
+def delivered(monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]) -> tuple[StubExporter, Any]:
+    """A running frontend whose first ready response the exporter stub already holds."""
     server = stub()
     plugin_on(monkeypatch, server.url, replica="r1")
     client = running(frontend())
     client._apply_ready_response(ready_response())
     assert forwarder().flush(10)
+    return server, client
+
+
+def test_vllm_own_shutdown_failing_still_ends_in_the_goodbye_and_its_error_stays_vllm_own(
+    monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
+) -> None:
+    server, client = delivered(monkeypatch, stub)
     client.resources.engine_manager = FailingEngineManager()
     with pytest.raises(TimeoutError, match=r"after 1\.0 s"):
         client.shutdown(timeout=1.0)
@@ -730,11 +736,7 @@ def test_an_api_server_process_says_goodbye_as_it_leaves_although_exit_handlers_
 def test_a_forked_child_never_says_goodbye_for_its_parent(
     monkeypatch: pytest.MonkeyPatch, stub: Callable[..., StubExporter]
 ) -> None:
-    server = stub()
-    plugin_on(monkeypatch, server.url, replica="r1")
-    client = running(frontend())
-    client._apply_ready_response(ready_response())
-    assert forwarder().flush(10)
+    server, client = delivered(monkeypatch, stub)
     (delivery,) = forwarder().deliveries
     # Forked while no delivery thread holds the lock that the child takes.
     with delivery._condition:

@@ -31,7 +31,7 @@ from protocol import releases
 from tests.helpers.exposition import families, info_labels, samples, single_value
 from tests.helpers.figures import record
 from tests.helpers.http import MSGPACK, Reply, request
-from tests.helpers.prometheus import PrometheusServer, promtool
+from tests.helpers.prometheus import PrometheusServer, promtool, running_prometheus
 from tests.helpers.tls import make_certificate
 from tests.support import ExporterProcess, free_port
 
@@ -686,17 +686,14 @@ def pod(target: str, name: str, app: str = "vllm", port: str = "http") -> dict[s
 
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], PrometheusServer]]:
-    servers: list[PrometheusServer] = []
+    with running_prometheus() as run:
 
-    def start(config: dict[str, Any]) -> PrometheusServer:
-        server = PrometheusServer(tmp_path, [])
-        server.config.write_text(json.dumps(config))
-        servers.append(server)
-        return server.start()
+        def start(config: dict[str, Any]) -> PrometheusServer:
+            server = PrometheusServer(tmp_path, [])
+            server.config.write_text(json.dumps(config))
+            return run(server)
 
-    yield start
-    for server in servers:
-        server.stop()
+        yield start
 
 
 @pytest.mark.slow  # a real Prometheus
