@@ -144,9 +144,9 @@ def _figures(
     return EngineFigures(
         block_size=own_block if own_block is not None else default_block,
         mamba_block_size=true_mamba,
-        vllm_mamba_block_size=response.reported("mamba_block_size")
-        if response.sent("mamba_block_size")
-        else configured,
+        vllm_mamba_block_size=(
+            response.reported("mamba_block_size") if response.sent("mamba_block_size") else configured
+        ),
         num_gpu_blocks=response.num_gpu_blocks,
         max_model_len=response.max_model_len,
         kv_cache_size_tokens=response.reported("kv_cache_size_tokens"),

@@ -5,6 +5,7 @@ on a real scrape. A stand-in vLLM server on loopback shows vLLM 0.32's own serie
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import re
 import threading
@@ -136,10 +137,11 @@ def vllm_job(server: VllmStandIn) -> dict[str, Any]:
 def start_prometheus(tmp_path: Path) -> Iterator[Callable[..., PrometheusServer]]:
     """Start a Prometheus that scrapes the exporter (job ``cache-config-exporter``, ``relabelled`` as docs/metrics.md's
     join says), and ``jobs``, every second, and evaluates the shipped rules."""
+    numbers = itertools.count()
     with running_prometheus() as run:
 
         def start(exporter: ExporterProcess, *jobs: dict[str, Any], relabelled: bool = False) -> PrometheusServer:
-            directory = tmp_path / f"prometheus-{len(list(tmp_path.glob('prometheus-*')))}"
+            directory = tmp_path / f"prometheus-{next(numbers)}"
             directory.mkdir()
             server = PrometheusServer(directory, [f"127.0.0.1:{exporter.port}"])
             config = json.loads(server.config.read_text())
