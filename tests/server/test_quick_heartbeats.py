@@ -230,7 +230,11 @@ def test_a_heartbeat_behind_an_answer_the_client_has_not_read_yet_is_answered_in
         return state.snapshot()[("qwen", "r0")].heartbeat_seconds == 30
 
     scrape = b"GET /api/v1/deployments HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Encoding: identity\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+    with socket.socket() as connection:
+        # A small receive window: the answer cannot all leave the server's buffers, whatever the kernel's tuning.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        connection.settimeout(10)
+        connection.connect(("127.0.0.1", server.port))
         connection.sendall(scrape + heartbeat("&replica=r0"))
         wait_until(heard)  # the scrape's answer is written (most of it waits in the server), the heartbeat heard
         received = b""
