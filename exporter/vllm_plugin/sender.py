@@ -184,6 +184,9 @@ def send(base_url: str, call: Call, timeout: float, *, authorization: str | None
 class AnswerTooLong(http.client.HTTPException):
     """The answer goes on past ``ANSWER_BYTES``: the rest is not read."""
 
+    def __init__(self) -> None:
+        super().__init__(f"the answer is longer than {ANSWER_BYTES} bytes")
+
 
 class Exchange:
     """The bounds of one call: a deadline for the whole exchange, and the bytes of its answer still to be read.
@@ -206,14 +209,15 @@ class Exchange:
         return left
 
     def allowance(self, wanted: int) -> int:
-        """How many of ``wanted`` bytes the next read may take; raises ``AnswerTooLong`` once the cap is read."""
-        if self.left <= 0:
-            raise AnswerTooLong(f"the answer is longer than {ANSWER_BYTES} bytes")
-        return min(wanted, self.left)
+        """How many of ``wanted`` bytes the next read may take: what is left of the cap; at the cap, one byte,
+        which tells an answer that goes on from one that ends right there."""
+        return min(wanted, self.left) if self.left > 0 else 1
 
     def read(self, count: int) -> None:
-        """``count`` bytes of the answer were read."""
+        """``count`` bytes of the answer were read; raises ``AnswerTooLong`` once they go past the cap."""
         self.left -= count
+        if self.left < 0:
+            raise AnswerTooLong
 
 
 class _BoundedReader(io.RawIOBase):
@@ -387,12 +391,17 @@ class Connection:
         self._http.bound_by(exchange)
         self._http.request(call.method, f"{self._prefix}{call.path}", body=call.body, headers=headers)
         response = self._http.getresponse()
+        body: bytes | None
         if not 200 <= response.status < 300:
-            body: bytes | None = response.read(exchange.left)
-        elif response.length is not None and response.length > exchange.left and _is_json(response):
+            body = _first_bytes(response)
+        elif response.length is not None and response.length > exchange.left:
+            if not _is_json(response):
+                raise AnswerTooLong
             body = None
         else:
-            body = response.read()
+            body = _first_bytes(response)
+            if not response.isclosed():
+                raise AnswerTooLong
         if response.will_close or not response.isclosed():  # closing, or an unread rest
             response.close()
             self.close()
@@ -418,6 +427,23 @@ class Connection:
         if self._http is not None:
             self._http.close()
             self._http = None
+
+
+def _first_bytes(response: http.client.HTTPResponse) -> bytes:
+    """The body up to the cap, one read of the socket at a time (a length the server announces is no size to
+    allocate), gathered in one buffer; the response is closed when that is all of it."""
+    body = bytearray()
+    try:
+        while not response.isclosed() and response.length != 0:
+            piece = response.read1(ANSWER_BYTES + 1 - len(body))
+            if not piece:
+                break
+            body += piece
+    except AnswerTooLong:
+        pass  # what was read before is the body's first bytes
+    if response.length == 0:
+        response.close()  # all its announced length read (``read1`` leaves such a response open)
+    return bytes(body)
 
 
 def _is_json(response: http.client.HTTPResponse) -> bool:
