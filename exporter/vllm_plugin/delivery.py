@@ -22,7 +22,7 @@ MAX_RETRY_SECONDS = 30.0
 # within this window of the first goes in one request.
 BATCH_WINDOW_SECONDS = 1.0
 # The goodbye's own deadline, shorter than the timeout: vLLM's shutdown waits for it, at most this long.
-GOODBYE_SECONDS = 0.4
+GOODBYE_SECONDS = 0.3
 logger = logging.getLogger("vllm.cache_config_exporter")
 
 

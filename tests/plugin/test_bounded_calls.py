@@ -158,6 +158,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow  # a process each, and most wait out the timeout
 @pytest.mark.parametrize("name", list(standins.HOSTILE))
 def test_whatever_the_server_sends_or_withholds_a_call_takes_its_timeout_and_the_cap_at_most(
     name: str, stand_in: Callable[..., StandIn], record_property: Callable[[str, object], None]
@@ -212,3 +213,19 @@ def test_the_deadline_covers_a_kept_connection_found_closed_and_the_call_made_ag
     assert isinstance(outcome, sender.Unreachable) and "timed out" in str(outcome)
     assert server.accepted == 2
     assert held < TIMEOUT + SLACK_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("3600", 600.0), ("2", 2.0), ("soon", None)],
+    ids=["an-hour-cut-to-the-ceiling", "seconds", "unreadable"],
+)
+def test_a_refusal_carries_the_wait_its_retry_after_asks_for(
+    stand_in: Callable[..., StandIn], value: str, seconds: float | None
+) -> None:
+    server = stand_in(standins.retry_after(value))
+    outcome = sender.send(server.url, HEARTBEAT, TIMEOUT, client="test")
+    assert isinstance(outcome, sender.Refused)
+    assert (outcome.status, outcome.retry_after) == (429, seconds)
+    if seconds is not None:
+        assert str(outcome) == f"HTTP 429 (Retry-After: {seconds:g} s)"
