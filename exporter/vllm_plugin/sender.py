@@ -9,8 +9,9 @@ engines' ready responses names each one it refused (``item_refusals``). What to 
 the caller's.
 
 Whatever answers at the URL, a call is bounded: one deadline, the timeout, for the whole exchange (connecting,
-sending, every byte of the answer), and at most ``ANSWER_BYTES`` of the answer read. Inside vLLM a server
-that withholds or trickles its answer, or sends one without end, must cost neither time nor memory.
+sending, every byte of the answer), and at most ``ANSWER_BYTES`` of the answer read (``STATE_BYTES`` by
+``push``). Inside vLLM a server that withholds or trickles its answer, or sends one without end, must cost
+neither time nor memory.
 
 Imports only the standard library and ``retry_after``: it runs inside vLLM's frontend.
 """
@@ -35,9 +36,11 @@ from exporter.vllm_plugin import retry_after
 
 # Shared by ``push --timeout`` and the plugin's ``CACHE_CONFIG_EXPORTER_TIMEOUT``.
 DEFAULT_TIMEOUT_SECONDS = 2.0
-# The most read of any answer: status line, headers and body together. What the plugin uses of an answer is its
-# status, ``Retry-After``, a problem's ``detail`` and ``field`` and a batch's refusals: a few hundred bytes each.
+# The most the plugin reads of any answer: status line, headers and body together. What it uses of an answer is
+# its status, ``Retry-After``, a problem's ``detail`` and ``field`` and a batch's refusals: a few hundred bytes each.
 ANSWER_BYTES = 16 * 1024
+# The most ``push`` reads: it prints the replica's synced state, about 1.1 KB an engine, of up to 1,024 engines.
+STATE_BYTES = 8 * 1024 * 1024
 CONTENT_TYPES = {"json": "application/json", "msgpack": "application/vnd.msgpack"}
 _URL_SEPARATORS = re.compile(r"[\s,]+")
 # How much of a refusal's detail a message carries.
@@ -171,10 +174,19 @@ def goodbye_call(deployment: str, replica: str) -> Call:
     return Call("DELETE", f"{_deployment_path(deployment)}?{_query(replica=replica)}")
 
 
-def send(base_url: str, call: Call, timeout: float, *, authorization: str | None = None, client: str) -> Outcome:
+def send(
+    base_url: str,
+    call: Call,
+    timeout: float,
+    *,
+    authorization: str | None = None,
+    client: str,
+    answer_bytes: int = STATE_BYTES,
+) -> Outcome:
     """Make ``call`` to the exporter at ``base_url`` on a connection of its own, within ``timeout`` seconds in
-    all; never raises. ``client`` (``push``, ``vllm-plugin``) names the sender in the ``User-Agent``."""
-    connection = Connection(base_url, timeout, client=client)
+    all, reading at most ``answer_bytes`` of the answer; never raises. ``client`` (``push``, ``vllm-plugin``) names
+    the sender in the ``User-Agent``."""
+    connection = Connection(base_url, timeout, client=client, answer_bytes=answer_bytes)
     try:
         return connection.send(call, authorization=authorization)
     finally:
@@ -182,10 +194,10 @@ def send(base_url: str, call: Call, timeout: float, *, authorization: str | None
 
 
 class AnswerTooLong(http.client.HTTPException):
-    """The answer goes on past ``ANSWER_BYTES``: the rest is not read."""
+    """The answer goes on past the cap: the rest is not read."""
 
-    def __init__(self) -> None:
-        super().__init__(f"the answer is longer than {ANSWER_BYTES} bytes")
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"the answer is longer than {cap} bytes")
 
 
 class Exchange:
@@ -195,11 +207,14 @@ class Exchange:
     time it may take, and every read asks ``allowance`` how much it may read.
     """
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, timeout: float, clock: Callable[[], float] = time.monotonic, answer_bytes: int = ANSWER_BYTES
+    ) -> None:
         self.timeout = timeout
         self._clock = clock
         self._deadline = clock() + timeout
-        self.left = ANSWER_BYTES
+        self.cap = answer_bytes
+        self.left = answer_bytes
 
     def remaining(self) -> float:
         """The seconds left until the deadline; raises ``TimeoutError`` once it has passed."""
@@ -217,7 +232,7 @@ class Exchange:
         """``count`` bytes of the answer were read; raises ``AnswerTooLong`` once they go past the cap."""
         self.left -= count
         if self.left < 0:
-            raise AnswerTooLong
+            raise AnswerTooLong(self.cap)
 
 
 class _BoundedReader(io.RawIOBase):
@@ -334,9 +349,10 @@ class Connection:
     reached directly, never through a proxy of the environment (``HTTP_PROXY``).
     """
 
-    def __init__(self, base_url: str, timeout: float, *, client: str) -> None:
+    def __init__(self, base_url: str, timeout: float, *, client: str, answer_bytes: int = ANSWER_BYTES) -> None:
         self.base_url = base_url
         self.timeout = timeout
+        self.answer_bytes = answer_bytes
         self._user_agent = f"cache-config-exporter-{client}/{__version__}"
         self._http: _Bounded | None = None
         self._tls: ssl.SSLContext | None = None
@@ -345,7 +361,7 @@ class Connection:
 
     def send(self, call: Call, *, authorization: str | None = None, timeout: float | None = None) -> Outcome:
         """Make ``call`` within ``timeout`` seconds in all (by default the connection's); never raises."""
-        exchange = Exchange(self.timeout if timeout is None else timeout)
+        exchange = Exchange(self.timeout if timeout is None else timeout, answer_bytes=self.answer_bytes)
         headers = {"User-Agent": self._user_agent}
         if call.content_type:
             headers["Content-Type"] = call.content_type
@@ -393,15 +409,15 @@ class Connection:
         response = self._http.getresponse()
         body: bytes | None
         if not 200 <= response.status < 300:
-            body = _first_bytes(response)
+            body = _first_bytes(response, exchange.cap)
         elif response.length is not None and response.length > exchange.left:
             if not _is_json(response):
-                raise AnswerTooLong
+                raise AnswerTooLong(exchange.cap)
             body = None
         else:
-            body = _first_bytes(response)
+            body = _first_bytes(response, exchange.cap)
             if not response.isclosed():
-                raise AnswerTooLong
+                raise AnswerTooLong(exchange.cap)
         if response.will_close or not response.isclosed():  # closing, or an unread rest
             response.close()
             self.close()
@@ -429,13 +445,13 @@ class Connection:
             self._http = None
 
 
-def _first_bytes(response: http.client.HTTPResponse) -> bytes:
-    """The body up to the cap, one read of the socket at a time (a length the server announces is no size to
+def _first_bytes(response: http.client.HTTPResponse, cap: int) -> bytes:
+    """The body up to the ``cap``, one read of the socket at a time (a length the server announces is no size to
     allocate), gathered in one buffer; the response is closed when that is all of it."""
     body = bytearray()
     try:
         while not response.isclosed() and response.length != 0:
-            piece = response.read1(ANSWER_BYTES + 1 - len(body))
+            piece = response.read1(cap + 1 - len(body))
             if not piece:
                 break
             body += piece

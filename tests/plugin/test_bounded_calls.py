@@ -45,6 +45,11 @@ def stand_in() -> Iterator[Callable[..., StandIn]]:
         server.stop()
 
 
+def plugin_call(url: str) -> sender.Outcome:
+    """One call as the plugin makes it: reading at most ``ANSWER_BYTES``."""
+    return sender.send(url, HEARTBEAT, TIMEOUT, client="test", answer_bytes=sender.ANSWER_BYTES)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -91,11 +96,20 @@ def padded_answer(total: int) -> Callable[[StandIn, Any], bool]:
 
 def test_an_answer_of_exactly_the_cap_is_read_and_one_byte_more_is_not(stand_in: Callable[..., StandIn]) -> None:
     at_cap = stand_in(padded_answer(sender.ANSWER_BYTES))
-    assert sender.send(at_cap.url, HEARTBEAT, TIMEOUT, client="test") == sender.Accepted({"taken": True})
+    assert plugin_call(at_cap.url) == sender.Accepted({"taken": True})
 
     past_cap = stand_in(padded_answer(sender.ANSWER_BYTES + 1))
-    outcome = sender.send(past_cap.url, HEARTBEAT, TIMEOUT, client="test")
+    outcome = plugin_call(past_cap.url)
     assert outcome == sender.Unreachable(f"the answer is longer than {sender.ANSWER_BYTES} bytes")
+
+
+def test_push_reads_the_state_of_a_replica_of_many_engines(stand_in: Callable[..., StandIn]) -> None:
+    """``push`` prints the replica's synced state, longer than the plugin's cap for a replica of many engines."""
+    state = b'{"engines": [' + b",".join([b'{"engine": 1}'] * 10_000) + b"]}"
+    server = stand_in(lambda server, connection: server.write(connection, standins.answer("200 OK", state)) or True)
+    outcome = sender.send(server.url, HEARTBEAT, TIMEOUT, client="test")
+    assert len(state) > sender.ANSWER_BYTES
+    assert isinstance(outcome, sender.Accepted) and len(outcome.state["engines"]) == 10_000
 
 
 def announced(status: str, content_type: str, length: int) -> Callable[[StandIn, Any], bool]:
@@ -114,7 +128,7 @@ def test_the_exporters_long_json_answer_is_an_acceptance_left_unread(stand_in: C
     replica of many engines longer than the cap. Its 2xx says the exporter took it; the state is not needed."""
     exporter = stand_in(announced("200 OK", "application/json", sender.ANSWER_BYTES + 1))
     started = time.monotonic()
-    outcome = sender.send(exporter.url, HEARTBEAT, TIMEOUT, client="test")
+    outcome = plugin_call(exporter.url)
     assert outcome == sender.Accepted(None, unread=True)
     # Not waited for: the body is never read.
     assert time.monotonic() - started < TIMEOUT
@@ -122,7 +136,7 @@ def test_the_exporters_long_json_answer_is_an_acceptance_left_unread(stand_in: C
     wait_until(lambda: exporter.open_connections == 0, timeout=5)
 
     other = stand_in(announced("200 OK", "text/html", sender.ANSWER_BYTES + 1))
-    assert isinstance(sender.send(other.url, HEARTBEAT, TIMEOUT, client="test"), sender.Unreachable)
+    assert isinstance(plugin_call(other.url), sender.Unreachable)
 
 
 def test_a_long_refusal_is_taken_by_its_status_with_its_first_bytes(stand_in: Callable[..., StandIn]) -> None:
@@ -132,7 +146,7 @@ def test_a_long_refusal_is_taken_by_its_status_with_its_first_bytes(stand_in: Ca
         return False
 
     server = stand_in(long_refusal)
-    outcome = sender.send(server.url, HEARTBEAT, TIMEOUT, client="test")
+    outcome = plugin_call(server.url)
     assert isinstance(outcome, sender.Refused) and outcome.status == 503
     assert outcome.detail.startswith("busy busy")
     wait_until(lambda: server.open_connections == 0, timeout=5)
@@ -224,7 +238,7 @@ def test_a_refusal_carries_the_wait_its_retry_after_asks_for(
     stand_in: Callable[..., StandIn], value: str, seconds: float | None
 ) -> None:
     server = stand_in(standins.retry_after(value))
-    outcome = sender.send(server.url, HEARTBEAT, TIMEOUT, client="test")
+    outcome = plugin_call(server.url)
     assert isinstance(outcome, sender.Refused)
     assert (outcome.status, outcome.retry_after) == (429, seconds)
     if seconds is not None:
