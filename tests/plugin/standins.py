@@ -1,8 +1,9 @@
 """Stand-ins for whatever may answer at the plugin's URL: real sockets on 127.0.0.1, each behaving as a hostile or
 broken server does (withholding, trickling or never ending its answer, asking to be left alone).
 
-Each ``StandIn`` serves every connection in a thread of its own with its ``behaviour`` of the moment (which a test
-may change), one request after another on a kept connection, until ``stop``. It counts what it sent and records
+The ``stand_in`` fixture starts them for a test. Each ``StandIn`` serves every connection in a thread of its own
+with its ``behaviour`` of the moment (which a test may change), one request after another on a kept connection,
+until ``stop``. It counts what it sent and records
 each request's arrival, so that the tests see what the plugin read and when it asked.
 """
 
@@ -12,8 +13,10 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
+
+import pytest
 
 # The longest request head a stand-in reads; the plugin's are far shorter.
 _HEAD_BYTES = 64 * 1024
@@ -115,6 +118,21 @@ class StandIn:
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
                 connection.close()
+
+
+@pytest.fixture
+def stand_in() -> Iterator[Callable[..., StandIn]]:
+    """Start stand-ins (``behaviour`` as in ``StandIn``); all stopped after the test."""
+    started: list[StandIn] = []
+
+    def start(behaviour: Callable[[StandIn, socket.socket], bool] | None = None) -> StandIn:
+        server = StandIn(behaviour)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 def answer(status: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:

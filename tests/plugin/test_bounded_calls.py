@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,6 @@ TIMEOUT = 1.0
 # What a loaded 2-core machine may add to a deadline before the call returns.
 SLACK_SECONDS = 0.5
 HEARTBEAT = sender.heartbeat_call("org/m", "r1", 30.0)
-
-
-@pytest.fixture
-def stand_in() -> Iterator[Callable[..., StandIn]]:
-    """Start stand-ins (``behaviour`` as in ``StandIn``); all stopped after the test."""
-    started: list[StandIn] = []
-
-    def start(behaviour: Callable[..., bool] | None = None) -> StandIn:
-        server = StandIn(behaviour)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def plugin_call(url: str) -> sender.Outcome:

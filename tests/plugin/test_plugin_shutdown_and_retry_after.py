@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,20 +31,6 @@ from tests.support import wait_until
 # What vLLM's shutdown may be held by the goodbye, with what a loaded 2-core machine adds to its deadline.
 HELD_AT_MOST_SECONDS = 0.5
 GOODBYE = "DELETE /api/v1/deployments/org/hybrid?replica=r1 "
-
-
-@pytest.fixture
-def stand_in() -> Iterator[Callable[..., StandIn]]:
-    started: list[StandIn] = []
-
-    def start(behaviour: Callable[..., bool] | None = None) -> StandIn:
-        server = StandIn(behaviour)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.mark.slow  # two waits of 2 s

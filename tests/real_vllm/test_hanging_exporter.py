@@ -12,7 +12,7 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,20 +38,6 @@ WATCH_SECONDS = 120.0
 SAMPLE_SECONDS = 5.0
 
 
-@pytest.fixture
-def stand_in() -> Iterator[Callable[..., StandIn]]:
-    started: list[StandIn] = []
-
-    def start(behaviour: Callable[..., bool]) -> StandIn:
-        server = StandIn(behaviour)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
-
-
 def exit_seconds(server: VllmServer) -> float:
     """SIGTERM to vLLM's main process alone, as `kill PID` or a container runtime sends it: the seconds until it
     exited. The rest of its process group is stopped afterwards."""
@@ -67,21 +53,23 @@ def exit_seconds(server: VllmServer) -> float:
 def test_sigterm_with_a_blackholed_exporter_exits_within_half_a_second_of_vllm_without_the_plugin(
     tiny_models: dict[str, Path],  # noqa: F811
     serve: Callable[..., VllmServer],  # noqa: F811
-    stand_in: Callable[..., StandIn],
     record_property: Callable[[str, object], None],
 ) -> None:
-    exporter = stand_in(standins.blackhole)
+    exporter = StandIn(standins.blackhole)
     exits: dict[str, list[float]] = {"without": [], "with": []}
-    for _ in range(REPETITIONS):
-        for case in exits:
-            # An empty CACHE_CONFIG_EXPORTER_URL: the plugin does nothing at all.
-            environment = {"CACHE_CONFIG_EXPORTER_URL": ""} if case == "without" else None
-            taken = len(exporter.requests())
-            server = serve(tiny_models["llama"], exporter.url, environment=environment)
-            if case == "with":
-                # The plugin's first request is in the blackhole, never to be answered.
-                wait_until(lambda taken=taken: len(exporter.requests()) > taken, timeout=30, interval=0.1)
-            exits[case].append(exit_seconds(server))
+    try:
+        for _ in range(REPETITIONS):
+            for case in exits:
+                # An empty CACHE_CONFIG_EXPORTER_URL: the plugin does nothing at all.
+                environment = {"CACHE_CONFIG_EXPORTER_URL": ""} if case == "without" else None
+                taken = len(exporter.requests())
+                server = serve(tiny_models["llama"], exporter.url, environment=environment)
+                if case == "with":
+                    # The plugin's first request is in the blackhole, never to be answered.
+                    wait_until(lambda taken=taken: len(exporter.requests()) > taken, timeout=30, interval=0.1)
+                exits[case].append(exit_seconds(server))
+    finally:
+        exporter.stop()
     medians = {case: statistics.median(seconds) for case, seconds in exits.items()}
     record(
         record_property, "real vLLM SIGTERM with a blackholed exporter",
@@ -102,18 +90,20 @@ def resident_bytes(pid: int) -> int:
 def test_the_api_servers_memory_stays_flat_against_an_answer_without_end(
     tiny_models: dict[str, Path],  # noqa: F811
     serve: Callable[..., VllmServer],  # noqa: F811
-    stand_in: Callable[..., StandIn],
     record_property: Callable[[str, object], None],
 ) -> None:
     """One API server: vLLM's main process is the API server, where the plugin's delivery thread runs."""
-    exporter = stand_in(standins.endless)
-    server = serve(tiny_models["llama"], exporter.url)
-    wait_until(lambda: exporter.requests(), timeout=30, interval=0.1)
-    samples = [resident_bytes(server.process.pid)]
-    deadline = time.monotonic() + WATCH_SECONDS
-    while time.monotonic() < deadline:
-        time.sleep(SAMPLE_SECONDS)  # the interval between samples of a measure, not a wait for anything
-        samples.append(resident_bytes(server.process.pid))
+    exporter = StandIn(standins.endless)
+    try:
+        server = serve(tiny_models["llama"], exporter.url)
+        wait_until(lambda: exporter.requests(), timeout=30, interval=0.1)
+        samples = [resident_bytes(server.process.pid)]
+        deadline = time.monotonic() + WATCH_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(SAMPLE_SECONDS)  # the interval between samples of a measure, not a wait for anything
+            samples.append(resident_bytes(server.process.pid))
+    finally:
+        exporter.stop()
     attempts, sent = len(exporter.requests()), exporter.sent
     record(
         record_property, "real vLLM API server against an endless answer",
