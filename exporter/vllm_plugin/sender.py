@@ -303,7 +303,7 @@ class _Bounded(http.client.HTTPConnection):
 
     def __init__(self, host: str, port: int | None) -> None:
         super().__init__(host, port)
-        self.exchange = Exchange(0.0)
+        self.exchange = Exchange(0.0)  # until ``bound_by``: no time at all
 
     def connect(self) -> None:
         self.timeout = self.exchange.remaining()
@@ -382,9 +382,9 @@ class Connection:
                 self.close()
                 return Unreachable(str(error) or type(error).__name__)
             break
-        status, body, headers = answer
+        status, body, fields = answer
         if not 200 <= status < 300:
-            return _refusal(status, body, retry_after.seconds_of(headers.get("Retry-After"), time.time()))
+            return _refusal(status, body, retry_after.seconds_of(fields.get("Retry-After"), time.time()))
         if body is None:
             return Accepted(None, unread=True)
         if not body:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,16 +34,20 @@ class Arrival(NamedTuple):
 
 class StandIn:
     """A server on a free loopback port; ``behaviour(stand_in, connection)`` answers each request (``ok`` by default).
+    With ``tls`` (a server context), over TLS: its URL is ``https``.
 
     ``sent`` counts the bytes of answers written, ``arrivals`` the requests read, ``open_connections`` the
     connections not yet closed by the client. A behaviour that returns False leaves the connection open, answered
     or not, until the client closes it or the stand-in stops.
     """
 
-    def __init__(self, behaviour: Callable[[StandIn, socket.socket], bool] | None = None) -> None:
+    def __init__(
+        self, behaviour: Callable[[StandIn, socket.socket], bool] | None = None, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.behaviour = behaviour or ok
+        self._tls = tls
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._listener.getsockname()[1]}"
         self.stopped = threading.Event()
         self._lock = threading.Lock()
         self.sent = 0
@@ -67,6 +72,8 @@ class StandIn:
     def _serve(self, connection: socket.socket) -> None:
         """Answer each request of ``connection`` with the behaviour of the moment, until one ends it."""
         try:
+            if self._tls is not None:
+                connection = self._tls.wrap_socket(connection, server_side=True)
             while self._read_request(connection) and self.behaviour(self, connection):
                 pass
             # Until the client closes its end: what the tests see as "the plugin closed the connection".
@@ -125,8 +132,10 @@ def stand_in() -> Iterator[Callable[..., StandIn]]:
     """Start stand-ins (``behaviour`` as in ``StandIn``); all stopped after the test."""
     started: list[StandIn] = []
 
-    def start(behaviour: Callable[[StandIn, socket.socket], bool] | None = None) -> StandIn:
-        server = StandIn(behaviour)
+    def start(
+        behaviour: Callable[[StandIn, socket.socket], bool] | None = None, tls: ssl.SSLContext | None = None
+    ) -> StandIn:
+        server = StandIn(behaviour, tls)
         started.append(server)
         return server
 

@@ -8,6 +8,7 @@ the memory the call took (tracemalloc's peak in a process of its own) and the ti
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from exporter.vllm_plugin import sender
 from tests.helpers.figures import record
+from tests.helpers.tls import make_certificate
 from tests.plugin import standins
 from tests.plugin.standins import StandIn
 from tests.support import wait_until
@@ -228,3 +230,21 @@ def test_a_refusal_carries_the_wait_its_retry_after_asks_for(
     assert (outcome.status, outcome.retry_after) == (429, seconds)
     if seconds is not None:
         assert str(outcome) == f"HTTP 429 (Retry-After: {seconds:g} s)"
+
+
+def test_over_tls_a_call_is_answered_and_a_handshake_never_answered_ends_at_the_deadline(
+    stand_in: Callable[..., StandIn], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = make_certificate(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # what the plugin's default context trusts, as in production
+    assert plugin_call(stand_in(tls=context).url) == sender.Accepted({})
+
+    # A blackhole at an https URL: the TLS handshake is never answered.
+    url = stand_in(standins.blackhole).url.replace("http://", "https://")
+    started = time.monotonic()
+    outcome = plugin_call(url)
+    held = time.monotonic() - started
+    assert isinstance(outcome, sender.Unreachable) and "timed out" in str(outcome)
+    assert held < TIMEOUT + SLACK_SECONDS
