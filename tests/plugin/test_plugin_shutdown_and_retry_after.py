@@ -16,16 +16,9 @@ from exporter.vllm_plugin import delivery
 from exporter.vllm_plugin.delivery import GOODBYE_SECONDS
 from tests.helpers.figures import record
 from tests.plugin import standins
+from tests.plugin import test_vllm_plugin as plugin_tests
 from tests.plugin.standins import StandIn
-from tests.plugin.test_vllm_plugin import (  # noqa: F401  (pristine, vllm_package: fixtures)
-    forwarder,
-    frontend,
-    plugin_on,
-    pristine,
-    ready_response,
-    running,
-    vllm_package,
-)
+from tests.plugin.test_vllm_plugin import pristine, vllm_package  # noqa: F401  (fixtures)
 from tests.support import wait_until
 
 # What vLLM's shutdown may be held by the goodbye, with what a loaded 2-core machine adds to its deadline.
@@ -44,13 +37,13 @@ def test_retry_after_spaces_every_request_and_what_is_due_goes_as_soon_as_the_wa
         return (shedding if len(server.requests()) <= 2 else standins.ok)(server, connection)
 
     server = stand_in(sheds_twice)
-    plugin_on(monkeypatch, server.url, replica="r1", heartbeat_seconds="1")
-    client = frontend()
-    client._apply_ready_response(ready_response())
+    plugin_tests.plugin_on(monkeypatch, server.url, replica="r1", heartbeat_seconds="1")
+    client = plugin_tests.frontend()
+    client._apply_ready_response(plugin_tests.ready_response())
     wait_until(lambda: len(server.requests()) >= 2, timeout=10)
     # A newer ready response arrives during the second wait; the exporter takes what comes after it.
-    client._apply_ready_response(ready_response(num_gpu_blocks=4000))
-    assert forwarder().flush(10)
+    client._apply_ready_response(plugin_tests.ready_response(num_gpu_blocks=4000))
+    assert plugin_tests.forwarder().flush(10)
     # Heartbeats resume after the wait.
     wait_until(lambda: any("/heartbeat?" in arrival.line for arrival in server.requests()), timeout=10)
 
@@ -74,10 +67,10 @@ def delivered_then(
     """A running frontend whose state the stand-in took; the stand-in then answers with ``behaviour``."""
     monkeypatch.setattr(delivery, "BATCH_WINDOW_SECONDS", 0.0)  # one engine: nothing to gather
     server = stand_in()
-    plugin_on(monkeypatch, server.url, replica="r1")
-    client = running(frontend())
-    client._apply_ready_response(ready_response())
-    assert forwarder().flush(10)
+    plugin_tests.plugin_on(monkeypatch, server.url, replica="r1")
+    client = plugin_tests.running(plugin_tests.frontend())
+    client._apply_ready_response(plugin_tests.ready_response())
+    assert plugin_tests.forwarder().flush(10)
     server.behaviour = behaviour
     return server, client
 
@@ -108,9 +101,9 @@ def test_no_goodbye_to_an_exporter_that_never_answered_and_no_wait_for_it(
 ) -> None:
     monkeypatch.setattr(delivery, "BATCH_WINDOW_SECONDS", 0.0)  # one engine: nothing to gather
     server = stand_in(standins.blackhole)
-    plugin_on(monkeypatch, server.url, replica="r1")
-    client = running(frontend())
-    client._apply_ready_response(ready_response())
+    plugin_tests.plugin_on(monkeypatch, server.url, replica="r1")
+    client = plugin_tests.running(plugin_tests.frontend())
+    client._apply_ready_response(plugin_tests.ready_response())
     # The labels are in the blackhole, their request in flight for its 30 s timeout.
     wait_until(lambda: server.requests(), timeout=10)
     started = time.monotonic()
