@@ -21,6 +21,8 @@ MAX_RETRY_SECONDS = 30.0
 # The engines of a data-parallel server report within moments of each other as they start: what they report
 # within this window of the first goes in one request.
 BATCH_WINDOW_SECONDS = 1.0
+# The goodbye's own deadline, shorter than the timeout: vLLM's shutdown waits for it, at most this long.
+GOODBYE_SECONDS = 0.3
 logger = logging.getLogger("vllm.cache_config_exporter")
 
 
@@ -67,13 +69,22 @@ class Delivery:
         with self._condition:
             return self._condition.wait_for(lambda: self._closed or not self._outbox.backlog(), timeout)
 
-    def close(self, goodbye: bool = False) -> threading.Thread | None:
-        """Stop after the request in flight, with ``goodbye`` first removing the replicas the exporter holds."""
+    def close(self) -> threading.Thread | None:
+        """Stop after the request in flight, without goodbye; the thread, to wait for it."""
         with self._condition:
             self._closed = True
-            self._goodbye = goodbye
             self._condition.notify_all()
             return self._thread
+
+    def close_with_goodbye(self) -> threading.Thread | None:
+        """Stop after the request in flight, then remove the replicas the exporter holds; the thread that says
+        the goodbye, to wait for it. ``None`` when no goodbye goes: the exporter holds none of them, or it did
+        not answer the last attempt (an exporter away would only make vLLM's shutdown wait; the replica expires
+        once its heartbeats are missed)."""
+        with self._condition:
+            self._goodbye = not self._outbox.failing and bool(self._outbox.goodbyes())
+            thread = self.close()
+            return thread if self._goodbye else None
 
     def _run(self) -> None:
         """The thread: make each request once it is due and record what came of it, until closed."""
@@ -110,10 +121,13 @@ class Delivery:
             self._report(self._described(attempt.call, outcome), first=not failing)
         elif verdict is Verdict.SPLIT:
             logger.info(
-                "cache-config-exporter: %s refused %d ready responses in one request (%s); sending one a request",
+                "cache-config-exporter: %s did not say of each of %d ready responses in one request whether it "
+                "took it (%s); sending one a request",
                 self.url,
                 len(attempt.versions),
-                outcome,
+                f"an answer longer than {sender.ANSWER_BYTES} bytes"
+                if isinstance(outcome, sender.Accepted)
+                else outcome,
             )
         else:
             if verdict is Verdict.NOT_HELD:
@@ -128,23 +142,29 @@ class Delivery:
 
     def leave(self, goodbyes: list[sender.Call]) -> None:
         """Say the ``goodbyes`` that remove this server's replicas from the exporter (vLLM is shutting down
-        cleanly), one attempt each, then close the connection: nothing more goes to this exporter. The delivery
-        thread's last act; called from elsewhere only once that thread is gone or never ran."""
+        cleanly), one attempt each, all within ``GOODBYE_SECONDS``, then close the connection: nothing more goes
+        to this exporter. The delivery thread's last act; called from elsewhere only once that thread is gone or
+        never ran."""
+        deadline = time.monotonic() + min(GOODBYE_SECONDS, self._target.timeout_seconds)
         for call in goodbyes:
-            outcome = self._send(call)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            outcome = self._send(call, left)
             if not isinstance(outcome, sender.Accepted):
                 logger.debug(
                     "cache-config-exporter: goodbye failed: %s", self._redacted(self._described(call, outcome))
                 )
         self._connection.close()
 
-    def _send(self, call: sender.Call) -> sender.Outcome:
-        """One request, with the token as it is now; a token that cannot be sent counts as unreachable."""
+    def _send(self, call: sender.Call, timeout: float | None = None) -> sender.Outcome:
+        """One request, with the token as it is now, within ``timeout`` (by default the target's); a token that
+        cannot be sent counts as unreachable."""
         try:
             authorization = self._authorization()
         except tokens.TokenError as error:
             return sender.Unreachable(str(error))
-        return self._connection.send(call, authorization=authorization)
+        return self._connection.send(call, authorization=authorization, timeout=timeout)
 
     def _described(self, call: sender.Call, outcome: sender.Outcome) -> str:
         """What came of ``call``, for the log: the request, then the answer."""

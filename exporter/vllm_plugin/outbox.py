@@ -13,8 +13,10 @@ rules live here, without either, so that they can be driven step by step with a 
 - what a replica's engines report within ``window`` seconds of the first goes together: the newest labels
   (unless they are back to those delivered), then the ready responses as one request (one commit: a DP=8
   server's restart is one request), each still taken or refused alone; an exporter that refuses such a
-  request whole (over its body limit, or one without arrays) gets one ready response a request;
-- while the exporter is away every request waits out a ``Backoff``;
+  request whole (over its body limit, or one without arrays), or takes it with an answer too long to read which
+  ones it refused, gets one ready response a request;
+- while the exporter is away every request waits out a ``Backoff``, or the longer wait its ``Retry-After`` asks
+  for (up to ``retry_after.MAX_WAIT_SECONDS``), heartbeats included; what is due then goes at once;
 - a heartbeat the exporter does not know (404) means it lost the replica: everything goes again.
 
 Imports only the standard library and ``exporter.vllm_plugin.sender``: it runs inside vLLM's frontend.
@@ -164,14 +166,13 @@ def outcomes_of(attempt: Attempt, outcome: sender.Outcome) -> list[sender.Outcom
 
 
 def _split(attempt: Attempt, outcome: sender.Outcome) -> bool:
-    """Several ready responses refused for good as a whole, none of them named: they go one a request."""
-    return (
-        attempt.kind == "engines"
-        and len(attempt.versions) > 1
-        and isinstance(outcome, sender.Refused)
-        and not outcome.items
-        and outcome.status not in RETRY_STATUSES
-    )
+    """Several ready responses refused for good as a whole, none of them named, or taken with an answer left unread
+    (``sender.ANSWER_BYTES``), which would name those refused: they go one a request."""
+    if attempt.kind != "engines" or len(attempt.versions) < 2:
+        return False
+    if isinstance(outcome, sender.Accepted):
+        return outcome.unread
+    return isinstance(outcome, sender.Refused) and not outcome.items and outcome.status not in RETRY_STATUSES
 
 
 class Outbox:
@@ -270,7 +271,8 @@ class Outbox:
         if Verdict.DELIVERED in verdicts:
             self._answered(now)
         if Verdict.RETRY in verdicts:
-            self._retry_at = now + self._backoff.failed()
+            asked = outcome.retry_after if isinstance(outcome, sender.Refused) else None
+            self._retry_at = now + max(self._backoff.failed(), asked or 0.0)
         # Logged as a failure is: the next answer ends it.
         self.failing = self.failing or Verdict.RETRY in verdicts or Verdict.REFUSED in verdicts
         return next((worst for worst in (Verdict.RETRY, Verdict.REFUSED) if worst in verdicts), verdicts[0])

@@ -28,11 +28,12 @@ heartbeat keeps the replica alive; a heartbeat the exporter does not know
 In the engine-core process, ``engine_groups`` adds the engine's
 own KV-cache groups to the ready response it builds, so they arrive here with it.
 
-A clean shutdown of vLLM says goodbye, once per replica. A server with one API server says it as soon as vLLM
-has shut its client down (``MPClient.shutdown`` is wrapped too), or else at the exit of the process
+A clean shutdown of vLLM says goodbye, once per replica. A server with one API server says it while vLLM shuts
+its client down (``MPClient.shutdown`` is wrapped too), or else at the exit of the process
 (``atexit`` in a main process, multiprocessing's exit function in its children). A server with several
 (``--api-server-count``, or a dense model's data parallelism) says it from vLLM's main process once it has
-stopped them (``api_servers``). Nothing ever raises into vLLM, and a goodbye waits at most the timeout.
+stopped them (``api_servers``). Nothing ever raises into vLLM, and a goodbye holds vLLM's shutdown at most
+``GOODBYE_SECONDS``; none goes to an exporter that was away.
 
 Imports only the standard library and ``protocol`` (with msgspec, vLLM's own dependency, which vLLM loaded
 before any plugin), and vLLM only once vLLM calls in, so that loading the plugin costs next to nothing where it
@@ -52,12 +53,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from exporter.vllm_plugin import api_servers, sender
-from exporter.vllm_plugin.delivery import Delivery
+from exporter.vllm_plugin.delivery import GOODBYE_SECONDS, Delivery
 from exporter.vllm_plugin.outbox import Update
 from exporter.vllm_plugin.target import Target, deployment_of, replica_of
 
 # Of the exit finalizers of ``multiprocessing``, which run in its child processes too, the goodbye runs first:
-# it waits at most the timeout, where pools and queues after it may wait for other processes.
+# it waits at most ``GOODBYE_SECONDS``, where pools and queues after it may wait for other processes.
 GOODBYE_EXIT_PRIORITY = 100
 # Set on the wrapper: marks the method as patched and lets tests reach its forwarder.
 FORWARDER_ATTRIBUTE = "cache_config_exporter_forwarder"
@@ -137,25 +138,31 @@ class Forwarder:
         return all(delivery.flush(max(0.0, deadline - time.monotonic())) for delivery in self.deliveries)
 
     def goodbye(self) -> None:
-        """At vLLM's clean shutdown or exit: every exporter forgets this replica at once, and nothing more is sent.
+        """At vLLM's exit: every exporter forgets this replica at once, and nothing more is sent (``begin_goodbye``);
+        waits for it at most ``GOODBYE_SECONDS``."""
+        self.begin_goodbye()()
 
-        Once per process, only in the process that forwards, and not in an API server whose parent says it;
-        waits at most the timeout in all.
+    def begin_goodbye(self) -> Callable[[], None]:
+        """At vLLM's clean shutdown: start saying goodbye to every exporter and return what waits for it, at most
+        ``GOODBYE_SECONDS`` from now in all, so that vLLM's own teardown runs meanwhile.
+
+        Once per process, only in the process that forwards, and not in an API server whose parent says it; no
+        goodbye goes to an exporter that holds nothing of this server or did not answer its last attempt.
         """
         if self._goodbye_pid != os.getpid() or self._said_goodbye:
             # A forked child inherits the forwarder, not the server: it must not remove the parent's replica.
-            return
+            return _nothing_to_wait_for
         self._said_goodbye = True
         if api_servers.parent_says_goodbye():
             # No more heartbeats: vLLM's main process says the goodbye once this process is gone.
             for delivery in self.deliveries:
                 delivery.close()
-            return
-        self._join_within_timeout([delivery.close(goodbye=True) for delivery in self.deliveries])
+            return _nothing_to_wait_for
+        return _waiting_for([delivery.close_with_goodbye() for delivery in self.deliveries])
 
     def goodbye_for_api_servers(self, vllm_config: object) -> None:
         """In vLLM's main process, once its API servers are gone: the goodbye they leave to it, for the deployment
-        ``vllm_config`` names as theirs does. Once; waits at most the timeout in all."""
+        ``vllm_config`` names as theirs does. Once; waits at most ``GOODBYE_SECONDS``."""
         if self._said_goodbye:
             return
         self._said_goodbye = True
@@ -164,17 +171,11 @@ class Forwarder:
         threads = [
             threading.Thread(target=delivery.leave, args=([goodbye],), daemon=True) for delivery in self.deliveries
         ]
+        wait = _waiting_for(threads)
         for delivery, thread in zip(self.deliveries, threads, strict=True):
             delivery.close()
             thread.start()
-        self._join_within_timeout(threads)
-
-    def _join_within_timeout(self, threads: Sequence[threading.Thread | None]) -> None:
-        """Wait for the goodbye ``threads`` together, at most the timeout: a hanging exporter delays no one."""
-        deadline = time.monotonic() + self._target.timeout_seconds
-        for thread in threads:
-            if thread is not None:
-                thread.join(max(0.0, deadline - time.monotonic()))
+        wait()
 
     def close(self) -> None:
         """Stop every delivery thread after its request in flight, without goodbye (for tests)."""
@@ -183,6 +184,39 @@ class Forwarder:
         for thread in [delivery.close() for delivery in self.deliveries]:
             if thread is not None:
                 thread.join()
+
+
+def _nothing_to_wait_for() -> None:
+    """No goodbye goes."""
+
+
+def _waiting_for(threads: Sequence[threading.Thread | None]) -> Callable[[], None]:
+    """What waits for the goodbye ``threads`` together, until ``GOODBYE_SECONDS`` from now: a hanging exporter
+    delays no one."""
+    deadline = time.monotonic() + GOODBYE_SECONDS
+
+    def wait() -> None:
+        for thread in threads:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    return wait
+
+
+def _alongside(shutdown: Callable[..., Any], begin_goodbye: Callable[[], Callable[[], None]]) -> Callable[..., Any]:
+    """A ``shutdown`` method of vLLM's during which the goodbye goes: begun before vLLM's own teardown, waited for
+    after it, also when that raised (vLLM's error stays vLLM's). A teardown longer than the goodbye's deadline
+    leaves nothing to wait for."""
+
+    @functools.wraps(shutdown)
+    def shutdown_with_goodbye(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wait = begin_goodbye()
+        try:
+            return shutdown(self, *args, **kwargs)
+        finally:
+            wait()
+
+    return shutdown_with_goodbye
 
 
 def _forwarding(original: Callable[..., Any], forwarder: Forwarder) -> Callable[..., Any]:
@@ -230,7 +264,7 @@ def register() -> None:
     shutdown = getattr(client_class, "shutdown", None)
     if callable(shutdown):
         # An API server shuts its client down as it stops, and may be killed right after, before any exit handler.
-        client_class.shutdown = api_servers.followed_by(shutdown, forwarder.goodbye)
+        client_class.shutdown = _alongside(shutdown, forwarder.begin_goodbye)
     api_servers.install(forwarder.goodbye_for_api_servers)
     # In vLLM's API server this runs before vLLM sets up its log handler, so the line shows in the
     # engine core's and workers' log; the frontend logs the deployment's line with its first payload.

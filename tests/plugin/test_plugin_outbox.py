@@ -378,3 +378,56 @@ def test_a_request_holds_no_more_responses_than_fit_the_body_limit() -> None:
     for engine in range(4):
         box.offer(update(engine, size=size), 0)
     assert deliver(box, 0) == ["labels", "run-1/0+run-1/1+run-1/2", "run-1/3"]
+
+
+def test_a_batch_taken_with_an_answer_too_long_to_read_goes_again_one_response_a_request() -> None:
+    """The exporter's answer names the refused responses after the replica's whole state: of a replica of many
+    engines it is longer than the plugin reads, so the responses go again one a request, whose answers say."""
+    box = outbox()
+    box.offer(update(0), 0)
+    box.offer(update(1), 0)
+    box.record(due(box, 0), ACCEPTED, 0)
+    assert box.record(due(box, 0), sender.Accepted(None, unread=True), 0) is Verdict.SPLIT
+    assert box.backlog() == 2
+    assert deliver(box, 0) == ["run-1/0", "run-1/1"]
+    # One response alone, taken with an unread answer: taken (a refusal would have been a 4xx).
+    box.offer(update(0, "run-2"), 1)
+    attempt = due(box, 1)
+    assert box.record(attempt, sender.Accepted(None, unread=True), 1) is Verdict.DELIVERED
+    assert box.backlog() == 0
+
+
+def shed(seconds: float, status: int = 429) -> sender.Refused:
+    """An answer asking to wait ``seconds`` (``Retry-After``, as ``retry_after.seconds_of`` made it)."""
+    return sender.Refused(status, "Limit reached", None, retry_after=seconds)
+
+
+def test_retry_after_holds_every_request_for_as_long_as_it_asks_beyond_the_backoff() -> None:
+    box = outbox()
+    box.offer(update(0), 0)
+    assert box.record(due(box, 0), shed(120.0), 0) is Verdict.RETRY
+    # The backoff alone would wait FIRST_RETRY, and never more than MAX_RETRY.
+    assert box.due(0) == 120.0
+    assert box.due(119.9) == pytest.approx(0.1)
+    # A newer ready response meanwhile waits too, and goes, with its labels, as soon as the wait ends.
+    box.offer(update(0, "run-2"), 60)
+    assert box.due(60) == 60.0
+    assert deliver(box, 120) == ["labels", "run-2/0"]
+
+
+def test_retry_after_shorter_than_the_backoff_waits_the_backoff() -> None:
+    box = outbox()
+    box.offer(update(0), 0)
+    assert box.record(due(box, 0), shed(0.0, 503), 0) is Verdict.RETRY
+    assert box.due(0) == FIRST_RETRY
+
+
+def test_heartbeats_resume_after_the_wait_retry_after_asks_for() -> None:
+    box = outbox()
+    box.offer(update(0), 0)
+    deliver(box, 0)
+    heartbeat = due(box, HEARTBEAT)
+    assert box.record(heartbeat, shed(300.0, 503), HEARTBEAT) is Verdict.RETRY
+    assert box.due(HEARTBEAT + 299) == pytest.approx(1.0)
+    assert described(due(box, HEARTBEAT + 300)) == "heartbeat r1"
+    assert box.record(due(box, HEARTBEAT + 300), sender.Accepted(None), HEARTBEAT + 300) is Verdict.DELIVERED
