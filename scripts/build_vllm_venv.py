@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,21 +141,33 @@ def step(what: str, building: Path, began: float) -> Iterator[None]:
     """Say that ``what`` starts, and until it is over, every ``PROGRESS_SECONDS`` how long the build has taken
     and how many bytes are downloaded and installed in ``building`` so far."""
     log(f"[{time.monotonic() - began:4.0f} s] {what}")
-    over = threading.Event()
     written = WrittenBytes(building)
 
     def report() -> None:
-        while not over.wait(PROGRESS_SECONDS):
-            done = size_text(written.count())
-            log(f"[{time.monotonic() - began:4.0f} s] {what}: {done} downloaded and installed so far")
+        done = size_text(written.count())
+        log(f"[{time.monotonic() - began:4.0f} s] {what}: {done} downloaded and installed so far")
 
-    reporter = threading.Thread(target=report, daemon=True)
-    reporter.start()
+    with every(PROGRESS_SECONDS, report):
+        yield
+
+
+@contextmanager
+def every(seconds: float, action: Callable[[], None]) -> Iterator[None]:
+    """Call ``action`` every ``seconds``, on a thread of its own, until the block is over: a line that says how far
+    a long step has got while the step itself blocks."""
+    over = threading.Event()
+
+    def repeat() -> None:
+        while not over.wait(seconds):
+            action()
+
+    repeating = threading.Thread(target=repeat, daemon=True)
+    repeating.start()
     try:
         yield
     finally:
         over.set()
-        reporter.join()
+        repeating.join()
 
 
 def installed_torch(venv: Path) -> str:

@@ -17,7 +17,6 @@ import os
 import selectors
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, NamedTuple, TextIO
 import pytest
 
 from scripts import process_groups
-from scripts.build_vllm_venv import WrittenBytes, size_text
+from scripts.build_vllm_venv import WrittenBytes, every, size_text
 
 # Seconds without a line from the step after which a line says it still runs.
 QUIET_SECONDS = 15.0
@@ -62,19 +61,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     """While a test runs, every ``HEARTBEAT_SECONDS`` a line with its name and how long it has run."""
-    began, over = time.monotonic(), threading.Event()
+    began = time.monotonic()
 
     def beat() -> None:
-        while not over.wait(HEARTBEAT_SECONDS):
-            show(item.config, f"{item.nodeid}: still running after {time.monotonic() - began:.0f} s")
+        show(item.config, f"{item.nodeid}: still running after {time.monotonic() - began:.0f} s")
 
-    heart = threading.Thread(target=beat, daemon=True)
-    heart.start()
-    try:
+    with every(HEARTBEAT_SECONDS, beat):
         yield
-    finally:
-        over.set()
-        heart.join()
 
 
 def show(config: pytest.Config, line: str) -> None:
