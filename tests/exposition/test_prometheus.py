@@ -351,6 +351,7 @@ def test_both_routes_in_one_prometheus_show_each_engine_once_and_the_joins_stay_
     (engines,) = [query for query in queries if query.startswith("count by (deployment, replica)")]
     assert values(prometheus, engines, "replica") == {vllm_server.address: 1}
     (in_use,) = [query for query in queries if query.startswith("instance:vllm_kv_cache_used_tokens:sum")]
+    prometheus.wait_for(in_use)  # a recording rule: there from its first evaluation after vLLM's scrape
     assert values(prometheus, in_use, "instance") == {vllm_server.address: KV_CACHE_USAGE * holds}
 
 
