@@ -44,7 +44,6 @@ DOCKERD_PID=""
 # What this run made, and only that, is removed at the end.
 CONTAINERS=()
 VOLUME_MADE=""
-BUILDER_IMAGES_BEFORE=""
 
 log() { printf 'test-image: %s\n' "$*" >&2; }
 
@@ -65,10 +64,8 @@ cleanup() {
   done
   if [[ -n $VOLUME_MADE ]]; then docker volume rm --force "$VOLUME" >/dev/null 2>&1; fi
   if [[ -n $OWN_IMAGE ]]; then docker rmi "$OWN_IMAGE" >/dev/null 2>&1; fi
-  if [[ -n $BUILDER_IMAGES_BEFORE ]]; then
-    # The builder stages this build left behind; those of earlier builds (anyone's) stay.
-    builder_images | grep -vxF -f "$WORK/builder-images-before" | xargs --no-run-if-empty docker rmi >/dev/null 2>&1
-  fi
+  # The builder stage this run's build left behind (labelled with the run's BUILD_ID); anyone else's stay.
+  docker image prune --force --filter "label=org.cache-config-exporter.build-id=$RUN" >/dev/null 2>&1
   if [[ -n $DOCKERD_PID ]]; then
     log "stopping the dockerd it started"
     kill "$DOCKERD_PID" 2>/dev/null
@@ -156,17 +153,10 @@ build_wheelhouse() {
   fi
 }
 
-# The untagged builder-stage images of docker/Dockerfile, by ID.
-builder_images() {
-  docker image ls --quiet --no-trunc --filter dangling=true --filter label=org.cache-config-exporter.stage=builder
-}
-
 build_image() {
-  builder_images >"$WORK/builder-images-before"
-  BUILDER_IMAGES_BEFORE=yes
   log "building $IMAGE on $BASE_IMAGE (log in $WORK/build.log)"
   if ! DOCKER_BUILDKIT=0 docker build --network none --file "$REPO/docker/Dockerfile" \
-    --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "BUILD_ID=$RUN" \
     --build-arg "PIP_OPTIONS=--no-index --find-links /src/wheelhouse" \
     --tag "$IMAGE" "$WORK/context" >"$WORK/build.log" 2>&1; then
     tail -n 30 "$WORK/build.log" >&2

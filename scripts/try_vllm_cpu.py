@@ -7,7 +7,10 @@ hybrid model with random weights (``tests/real_vllm/tiny_models.py``, nothing
 downloaded), starts the exporter and ``vllm serve`` with the plugin on loopback,
 and prints vLLM's ``vllm:cache_config_info`` line, the exporter's ``cache_config_info``
 line and the labels where they differ: the true ``mamba_block_size``. Everything it
-started is stopped again; ``--keep-running`` leaves both servers up until Ctrl-C.
+started is stopped again, also when it is stopped with SIGTERM or Ctrl-C or fails: each
+child (the venv's build, the models' maker, each server) runs in a process group of its
+own that is ended on the way out (``scripts/process_groups.py``); ``--keep-running``
+leaves both servers up until Ctrl-C or SIGTERM.
 ``--port`` and ``--exporter-port`` choose vLLM's and the exporter's ports (free ones by
 default); a port in use is refused before anything is built.
 
@@ -37,6 +40,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+try:
+    from scripts import process_groups
+except ModuleNotFoundError:  # run as a script: its own folder is on sys.path, the repository is not
+    import process_groups  # type: ignore[no-redef]
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 MODELS = ("qwen3-next", "granite-moe-hybrid", "llama")
 # vLLM's CPU backend: this much memory for the KV cache (GiB), a short context and few sequences keep it small.
@@ -45,6 +53,8 @@ CPU_ENVIRONMENT = {
 }  # fmt: skip
 CPU_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager")
 SERVE_TIMEOUT_SECONDS = 300
+# Seconds a server, or the venv's build, has to end after SIGTERM before its process group is killed.
+STOP_GRACE_SECONDS = 60.0
 # Seconds between the lines that say what a server being waited for is doing.
 PROGRESS_SECONDS = 15.0
 BEGAN = time.monotonic()
@@ -142,45 +152,40 @@ def build_venv() -> Path:
     """The cached CPU vLLM venv, with this clone's project (and so its plugin) installed; the build's progress
     goes to stderr as it comes."""
     say("building or reusing the CPU vLLM venv (the first build takes minutes and 3.5 GB)")
-    built = subprocess.run(
-        [sys.executable, str(REPOSITORY / "scripts" / "build_vllm_venv.py")], stdout=subprocess.PIPE, text=True
-    )
-    if built.returncode:
-        raise SystemExit(built.returncode)
-    return Path(built.stdout.splitlines()[-1])
+    return Path(output_of([sys.executable, str(REPOSITORY / "scripts" / "build_vllm_venv.py")]).splitlines()[-1])
+
+
+def output_of(command: list[str], **popen: object) -> str:
+    """What ``command`` printed on stdout, its process group ended if the script is stopped meanwhile; its exit
+    code ends the script when it fails."""
+    with process_groups.group(command, STOP_GRACE_SECONDS, stdout=subprocess.PIPE, text=True, **popen) as child:
+        output, _ = child.communicate()
+    if child.returncode:
+        raise SystemExit(child.returncode)
+    return str(output)
 
 
 def make_model(venv: Path, out_dir: Path, name: str) -> Path:
     """The tiny models of the tests, made with the venv's torch and transformers; the folder of ``name``."""
     say("making the tiny models (random weights, nothing downloaded)")
-    made = subprocess.run(
+    output_of(
         [str(venv / "bin" / "python"), "-m", "tests.real_vllm.tiny_models", str(out_dir)],
-        cwd=REPOSITORY, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=REPOSITORY, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
-    if made.returncode:
-        raise SystemExit(made.returncode)
     return out_dir / name
 
 
 @contextlib.contextmanager
 def started(command: list[str], log: Path, environment: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """A server in its own process group, stopped with SIGTERM (SIGKILL after 60 s) on the way out."""
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
-    try:
+    """A server in its own process group, stopped with SIGTERM (SIGKILL after ``STOP_GRACE_SECONDS``) on the way
+    out."""
+    with (
+        log.open("wb") as output,
+        process_groups.group(
+            command, STOP_GRACE_SECONDS, stdout=output, stderr=subprocess.STDOUT, env=environment
+        ) as process,
+    ):
         yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def info_line(exposition: str, deployment: str | None = None) -> str | None:
@@ -231,6 +236,7 @@ def commands(venv: Path, model: Path, work: Path, vllm_port: int, exporter_port:
 
 def main(argv: Sequence[str]) -> int:
     arguments = parse_arguments(argv)
+    process_groups.stop_on_sigterm()
     venv = build_venv()
     work = Path(tempfile.mkdtemp(prefix="try-vllm-cpu-"))
     model = make_model(venv, work / "models", arguments.model)
@@ -259,7 +265,7 @@ def main(argv: Sequence[str]) -> int:
             for line in differing(theirs or "", ours) or ["(nothing: this model has no Mamba layers)"]:
                 print(f"  {line}")
             if arguments.keep_running:
-                say(f"both servers keep running (logs in {work}); Ctrl-C stops them")
+                say(f"both servers keep running (logs in {work}); Ctrl-C or SIGTERM stops them")
                 with contextlib.suppress(KeyboardInterrupt):
                     signal.pause()
             say("stopping vllm serve and the exporter")

@@ -11,6 +11,11 @@ from prometheus_client import CollectorRegistry
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
 from tests.helpers.figures import pytest_terminal_summary  # noqa: F401  (prints the figures tests record)
+from tests.helpers.progress import (  # noqa: F401  (the run shown on the terminal as it goes)
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_unconfigure,
+)
 from tests.support import ExporterProcess, is_slow_file
 
 

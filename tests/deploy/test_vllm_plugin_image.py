@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.docs.test_readme_commands import DOCS, clone, docker  # noqa: F401  (docker: a fixture)
+from tests.helpers.progress import watched
 from tests.support import IN_CI
 
 BASE_IMAGE = "cache-config-exporter-base:bookworm"
@@ -33,8 +34,18 @@ def run(command: list[str], cwd: Path | None = None, timeout: float = 600) -> st
     return done.stdout
 
 
+def built(config: pytest.Config, command: list[str], cwd: Path) -> None:
+    """A build step, shown on the terminal as it goes."""
+    done = watched(config, Path(command[0]).name, command, timeout=600, cwd=cwd)
+    assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
 @pytest.mark.slow
-def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path: Path) -> None:  # noqa: F811
+def test_the_image_holds_the_plugin_for_stock_vllm_images(
+    docker: str,  # noqa: F811
+    pytestconfig: pytest.Config,
+    tmp_path: Path,
+) -> None:
     if subprocess.run([docker, "image", "inspect", BASE_IMAGE], capture_output=True, check=False).returncode:
         message = f"{BASE_IMAGE} was never made (docker/make-base-image.sh; tests/test_docker_image.py makes it)"
         if IN_CI:
@@ -44,10 +55,20 @@ def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path:
     image = f"cce-plugin-test-{uuid.uuid4().hex[:12]}"
     layered = f"{image}-vllm"
     try:
-        run(["docker/build-wheelhouse.sh"], cwd=work)
-        run([docker, "build", "--network", "none", "-f", "docker/Dockerfile", "-t", image,
-             "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-             "--build-arg", "PIP_OPTIONS=--no-index --find-links /src/wheelhouse", "."], cwd=work)  # fmt: skip
+        built(pytestconfig, ["docker/build-wheelhouse.sh"], work)
+        # The classic builder keeps the builder stage as an untagged image: labelled with this build's ID, it is
+        # removed below (and only it: builds of others running beside this one keep theirs).
+        arguments = {
+            "BASE_IMAGE": BASE_IMAGE,
+            "BUILD_ID": image,
+            "PIP_OPTIONS": "--no-index --find-links /src/wheelhouse",
+        }
+        build_arguments = [part for name, value in arguments.items() for part in ("--build-arg", f"{name}={value}")]
+        built(
+            pytestconfig,
+            [docker, "build", "--network", "none", "-f", "docker/Dockerfile", "-t", image, *build_arguments, "."],
+            work,
+        )
         # The folder holds the plugin's packages and metadata, nothing else (no dependencies, no scripts).
         listed = run([docker, "run", "--rm", "--entrypoint", "ls", image, "/opt/vllm-plugins"]).split()
         assert sorted(listed) == ["cache_config_exporter-0.1.0.dist-info", "exporter", "protocol"]
@@ -68,8 +89,11 @@ def test_the_image_holds_the_plugin_for_stock_vllm_images(docker: str, tmp_path:
         dockerfile = recipe.replace("cache-config-exporter:0.1.0", image).replace(stock.group(1), BASE_IMAGE)
         (tmp_path / "layer").mkdir()
         (tmp_path / "layer" / "Dockerfile").write_text(dockerfile)
-        run([docker, "build", "--network", "none", "-t", layered, str(tmp_path / "layer")])
+        built(pytestconfig, [docker, "build", "--network", "none", "-t", layered, "."], tmp_path / "layer")
         found = run([docker, "run", "--rm", layered, "python3", "-c", LIST_PLUGINS])
         assert found.strip() == "['exporter.vllm_plugin:register']"
     finally:
         subprocess.run([docker, "rmi", "-f", layered, image], capture_output=True, check=False, env=os.environ)
+        ours = f"label=org.cache-config-exporter.build-id={image}"
+        subprocess.run([docker, "image", "prune", "--force", "--filter", ours], capture_output=True, check=False)
+    assert not run([docker, "image", "ls", "--quiet", "--filter", ours]).split(), "the build left an image behind"

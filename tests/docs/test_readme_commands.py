@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from tests.helpers.figures import record
+from tests.helpers.progress import watched
 from tests.support import IN_CI, free_port, require_binary, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -516,9 +517,10 @@ def docker(tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_the_offline_docker_route_and_compose_as_written(
-    tmp_path: Path, docker: str, record_property: Callable[[str, object], None]
+    tmp_path: Path, docker: str, record_property: Callable[[str, object], None], pytestconfig: pytest.Config
 ) -> None:
-    """Base image, wheelhouse, offline build, run, push, the production run with a token, and compose."""
+    """Base image, wheelhouse, offline build, run, push, the production run with a token, and compose; each
+    command's output shows on the terminal as it goes (builds take minutes)."""
     page = "docs/deployment.md"
     tokens = Path("/etc/cache-config-exporter")
     if tokens.exists():
@@ -562,11 +564,14 @@ def test_the_offline_docker_route_and_compose_as_written(
         f"docker wait {project}_push-hybrid-fixture_1",
         f"{compose} logs push-hybrid-fixture",
     ])  # fmt: skip
-    environment = {**os.environ, "COMPOSE_PROJECT_NAME": project}
+    # Compose's build labels its builder stage with this run's names (docker/compose.yaml), to be pruned by it.
+    environment = {**os.environ, "COMPOSE_PROJECT_NAME": project, "BUILD_ID": names}
+    ours = f"label=org.cache-config-exporter.build-id={names}"
     try:
-        done = subprocess.run(
-            ["bash", "-c", script], cwd=work, env=environment, capture_output=True, text=True, timeout=600, check=False
-        )
+        done = watched(
+            pytestconfig, "docs/deployment.md", ["bash", "-c", script], timeout=600, folder=tmp_path, cwd=work,
+            env=environment,
+        )  # fmt: skip
     finally:
         subprocess.run([docker, "rm", "-f", names], capture_output=True, check=False)
         subprocess.run(
@@ -575,8 +580,11 @@ def test_the_offline_docker_route_and_compose_as_written(
         )  # fmt: skip
         subprocess.run([docker, "volume", "rm", "-f", names], capture_output=True, check=False)
         subprocess.run([docker, "rmi", names, f"{names}:0.1.0", f"{names}-compose"], capture_output=True, check=False)
+        subprocess.run([docker, "image", "prune", "--force", "--filter", ours], capture_output=True, check=False)
         shutil.rmtree(tokens, ignore_errors=True)
     assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    left = subprocess.run([docker, "image", "ls", "--quiet", "--filter", ours], capture_output=True, text=True)
+    assert not left.stdout.split(), "a build of this run left an image behind"
     assert "unauthenticated: 401" in done.stdout
     assert "with the token: 200" in done.stdout, "uid 10987 read the chown-ed token file"
     health_times = [int(seconds) for seconds in re.findall(r"^healthy: (\d+) s$", done.stdout, flags=re.MULTILINE)]

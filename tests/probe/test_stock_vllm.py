@@ -172,11 +172,11 @@ def test_a_stock_vllm_loads_the_plugin_from_pythonpath_and_prometheus_joins_its_
             timeout=60,
         )
         assert joined_once["metric"]["mamba_block_size"] == ours["mamba_block_size"]
-        panel = [query.replace("$deployment", ".*") for query in dashboard_queries() if "vllm:" in query]
+        panel = [query.replace("$deployment", ".*") for query in dashboard_queries() if "vllm_kv_cache" in query]
         assert panel
         for query in panel:
             (series,) = prometheus.query(query)
-            assert series["metric"] == {"instance": address}, query
+            assert series["metric"]["instance"] == address, query
     finally:
         prometheus.stop()
         server.stop()

