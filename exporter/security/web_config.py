@@ -18,7 +18,6 @@ from typing import Annotated, Any
 
 import msgspec
 import yaml
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exporter.config.option import SettingsError, read_file
 from exporter.config.settings import flag_of
@@ -167,26 +166,3 @@ def watched_web_config(path: Path) -> Watched[WebConfig]:
 def response_headers(web_config: Watched[WebConfig] | None) -> tuple[tuple[bytes, bytes], ...]:
     """The headers every response carries: ``http_server_config.headers`` of the web config as it is now."""
     return web_config.current().headers if web_config is not None else ()
-
-
-class ResponseHeaders:
-    """ASGI middleware adding ``http_server_config.headers`` of the web config (as it is now) to every response."""
-
-    def __init__(self, app: ASGIApp, web_config: Watched[WebConfig] | None) -> None:
-        self.app = app
-        self.web_config = web_config
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        web_config = self.web_config
-        if scope["type"] != "http" or web_config is None:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                extra = response_headers(web_config)
-                if extra:
-                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)

@@ -9,6 +9,7 @@ refuse a ready response.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -34,21 +35,23 @@ from exporter.exposition.telemetry import Telemetry, register_own_metrics
 from exporter.exposition.views import encode_view
 from exporter.probe.prober import Prober
 from exporter.security.auth import Credentials
-from exporter.security.web_config import ResponseHeaders, response_headers
+from exporter.security.web_config import response_headers
+from exporter.server.endpoints import Access, Endpoint, Handler, bound
 from exporter.server.gc_freeze import freeze_survivors
-from exporter.server.openapi import Endpoint, openapi_document
+from exporter.server.openapi import openapi_document
 from exporter.server.pages import StatusPage
 from exporter.server.problems import Problem, problem_for, problem_response
 from exporter.server.quick_heartbeats import QuickHeartbeats
 from exporter.server.request_guard import RequestGuard
+from exporter.server.response_headers import ResponseHeaders
 from exporter.server.routes import (
     ENDPOINTS,
     EXPOSITION_MEDIA_TYPES,
+    HEARTBEAT,
     Exporter,
     get_metrics,
     hear_heartbeat,
     is_ingest,
-    post_heartbeat,
 )
 from exporter.server.routes_probe_only import PROBE_ONLY_ENDPOINTS, ProbeOnly, get_own_metrics
 from exporter.state.exporter_state import ExporterState
@@ -108,23 +111,28 @@ def _serving(
     settings: Settings,
     credentials: Credentials,
     endpoints: Sequence[Endpoint],
-    metrics: Callable[[Request], Awaitable[Response]],
+    metrics: Handler,
+    parts: object,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
     reject: Callable[[str], None] | None = None,
-) -> tuple[FastAPI, frozenset[str] | None]:
-    """An app serving ``endpoints``, then ``metrics`` at ``--web.telemetry-path``, documented by them and guarded
-    (``_guarded``); and the Host names it serves besides loopback ones."""
+) -> tuple[FastAPI, dict[Endpoint, Callable[[Request], Awaitable[Response]]], frozenset[str] | None]:
+    """An app serving ``endpoints``, then ``metrics`` at ``--web.telemetry-path``, each handler given ``parts``
+    behind its declared access (``bound``), documented by them and guarded (``_guarded``); each declaration's
+    ASGI endpoint, and the Host names it serves besides loopback ones."""
     # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
     app = FastAPI(
         title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None,
         **_WITHOUT_TELEMETRY,
     )  # fmt: skip
-    served = (*endpoints, Endpoint(settings.telemetry_path, ("GET",), metrics, answers=EXPOSITION_MEDIA_TYPES))
+    telemetry = Endpoint(settings.telemetry_path, ("GET",), Access.READ, metrics, answers=EXPOSITION_MEDIA_TYPES)
+    served = (*endpoints, telemetry)
     document = openapi_document(app.title, app.version, served)
     app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
-    for endpoint in served:
-        app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
-    return app, _guarded(app, settings, credentials, reject)
+    routes = {endpoint: bound(endpoint, parts, credentials) for endpoint in served}
+    for endpoint, route in routes.items():
+        app.add_route(endpoint.path, route, list(endpoint.methods), include_in_schema=False)
+    return app, routes, _guarded(app, settings, credentials, reject)
 
 
 def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> FastAPI:
@@ -132,9 +140,9 @@ def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials
     it needs neither an ingest token nor a writable file system."""
     register_own_metrics(registry)
     registry.register(credentials)  # the reload state of the access files
-    prober = Prober(settings, settings.base_labels(), registry)
-    app, _ = _serving(settings, credentials, PROBE_ONLY_ENDPOINTS, get_own_metrics)
-    app.state.exporter = ProbeOnly(credentials, prober, registry)
+    parts = ProbeOnly(Prober(settings, settings.base_labels(), registry), registry)
+    app, _, _ = _serving(settings, credentials, PROBE_ONLY_ENDPOINTS, get_own_metrics, parts)
+    app.state.exporter = parts
     app.state.quick_heartbeats = None  # no heartbeats to hear
     return app
 
@@ -179,20 +187,22 @@ def create_app(
         await run_in_threadpool(state.close)
         store.close()
 
-    app, allowed_hosts = _serving(settings, credentials, ENDPOINTS, get_metrics, lifespan, telemetry.reject)
     status = StatusPage(state, settings.telemetry_path, clock)
-    app.state.exporter = Exporter(
-        credentials, prober, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,
-        settings.workers > 1,
-    )  # fmt: skip
-    # With a shared store a heartbeat is a commit, which only the app awaits.
-    app.state.quick_heartbeats = (
-        QuickHeartbeats(
-            app, post_heartbeat, hear_heartbeat, allowed_hosts, lambda: response_headers(credentials.web_config)
-        )
-        if settings.workers == 1
-        else None
+    parts = Exporter(
+        prober, state, telemetry, exposition, listing, status, settings.telemetry_path, clock, settings.workers > 1
     )
+    app, routes, allowed_hosts = _serving(
+        settings, credentials, ENDPOINTS, get_metrics, parts, lifespan, telemetry.reject
+    )
+    app.state.exporter = parts
+    # With a shared store a heartbeat is a commit, which only the app awaits.
+    quick_heartbeats = None
+    if settings.workers == 1:
+        headers = functools.partial(response_headers, credentials.web_config)
+        quick_heartbeats = QuickHeartbeats(
+            app, routes[HEARTBEAT], HEARTBEAT, parts, credentials, hear_heartbeat, allowed_hosts, headers
+        )
+    app.state.quick_heartbeats = quick_heartbeats
     return app
 
 

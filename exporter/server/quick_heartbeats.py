@@ -3,13 +3,14 @@
 10,000 vLLM servers send a heartbeat every 30 s each: 333 a second, each changing only "last seen" in
 memory. Through uvicorn's ASGI task, the middleware and the router, each costs more than the change itself.
 Here a heartbeat that the app would answer 204 is answered from the protocol callback that completes it:
-the router's own match picks the route (kept per path), the route's own checks and change run as they are
-(its ``hear``, ``hear_heartbeat`` of ``exporter/server/routes.py``) behind the same Host check, and the 204 goes out
-through uvicorn's own ``send`` with the web config's headers, as the app's would: when its head takes the
-transport past its high-water mark (a client slower to read than the exporter answers), its end is sent as the
-app's would be, once the transport drains. Anything else (a refusal, a body, a paused transport, several workers
-sharing a store) is left to the app, which answers it exactly as it answers any request: the checks change
-nothing when they refuse, so the app's run of them refuses it again.
+the router's own match picks the route (kept per path), the route's declared access is granted by the same
+check (``admitted_at_once``, ``exporter/server/endpoints.py``), its query parsed by the same Struct, and its
+change run as it is (its ``hear``, ``hear_heartbeat`` of ``exporter/server/routes.py``) behind the same Host
+check, and the 204 goes out through uvicorn's own ``send`` with the web config's headers, as the app's would:
+when its head takes the transport past its high-water mark (a client slower to read than the exporter answers),
+its end is sent as the app's would be, once the transport drains. Anything else (a refusal, a body, a paused
+transport, several workers sharing a store) is left to the app, which answers it exactly as it answers any
+request: the checks change nothing when they refuse, so the app's run of them refuses it again.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Scope
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from exporter.security.auth import Credentials
+from exporter.server.endpoints import Endpoint, admitted_at_once
+from exporter.server.queries import parse_query
 from exporter.server.request_guard import ConnectionState, GuardedHttpToolsProtocol, host_allowed
 
 Headers = tuple[tuple[bytes, bytes], ...]
-# A heartbeat's checks and change, as its route runs them: ``None`` when heard at once.
-Hear = Callable[[Request], "Future[object] | None"]
+# A heartbeat's change, as its route runs it (the request, the route's parts, its query): ``None`` when heard at once.
+Hear = Callable[[Request, Any, Any], "Future[object] | None"]
 # The router's match of paths lately heard, each up to a heartbeat path's length with the longest deployment name:
 # a fleet's heartbeats go to the paths of its deployments, a few hundred, each matched once rather than each time.
 PATHS_KEPT = 4096
@@ -39,7 +43,8 @@ LONGEST_PATH = 256
 class QuickHeartbeats:
     """The app's side: whether a request is a heartbeat the app would answer 204, heard if so.
 
-    ``endpoint`` is the heartbeat route's handler, ``hear`` what it runs before answering. Only for a single
+    ``endpoint`` is the heartbeat route's ASGI endpoint (what the router matches), ``declared`` its declaration,
+    ``parts`` what its handler works with and ``hear`` what that handler runs before answering. Only for a single
     process: with a shared store a heartbeat is a commit, which the app awaits. ``answered`` counts the
     heartbeats answered here.
     """
@@ -48,12 +53,18 @@ class QuickHeartbeats:
         self,
         app: Starlette,
         endpoint: Callable[..., Any],
+        declared: Endpoint,
+        parts: object,
+        credentials: Credentials,
         hear: Hear,
         allowed_hosts: frozenset[str] | None,
         response_headers: Callable[[], Headers],
     ) -> None:
         self.app = app
         self.endpoint = endpoint
+        self.declared = declared
+        self.parts = parts
+        self.credentials = credentials
         self.hear = hear
         self.allowed_hosts = allowed_hosts
         self.response_headers = response_headers
@@ -79,7 +90,10 @@ class QuickHeartbeats:
             return None
         try:
             request = Request({**scope, "endpoint": self.endpoint, "path_params": dict(path_params), "app": self.app})
-            committed = self.hear(request)
+            if not admitted_at_once(self.credentials, self.declared.access, request):
+                return None
+            query = None if self.declared.query is None else parse_query(request, self.declared.query)
+            committed = self.hear(request, self.parts, query)
         except Exception:  # a refusal (or a fault): the app's run of the same checks answers it
             return None
         if committed is not None:  # a shared store: never built so, see the class
