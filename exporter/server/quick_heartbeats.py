@@ -1,4 +1,6 @@
-"""Heartbeats answered in the HTTP protocol, beneath the ASGI app: a fleet's most frequent request.
+"""Heartbeats answered in the HTTP protocol, beneath the ASGI app: a fleet's most frequent request; which, and
+with what, is decided here; the protocol that answers them is ``HeartbeatAnsweringProtocol``
+(``exporter/server/uvicorn_adapter.py``).
 
 10,000 vLLM servers send a heartbeat every 30 s each: 333 a second, each changing only "last seen" in
 memory. Through uvicorn's ASGI task, the middleware and the router, each costs more than the change itself.
@@ -16,20 +18,19 @@ request: the checks change nothing when they refuse, so the app's run of them re
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Scope
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from starlette.types import Scope
 
 from exporter.security.auth import Credentials
 from exporter.server.endpoints import Endpoint, admitted_at_once
 from exporter.server.queries import parse_query
-from exporter.server.request_guard import ConnectionState, GuardedHttpToolsProtocol, host_allowed
+from exporter.server.request_guard import host_allowed
 
 Headers = tuple[tuple[bytes, bytes], ...]
 # A heartbeat's change, as its route runs it (the request, the route's parts, its query): ``None`` when heard at once.
@@ -110,75 +111,3 @@ class QuickHeartbeats:
             if match is Match.FULL:
                 return child_scope["path_params"] if getattr(route, "endpoint", None) is self.endpoint else None
         return None
-
-
-class _HeartbeatConnectionState(ConnectionState):
-    __slots__ = ("waiting",)
-
-    def __init__(self, header_room: int) -> None:
-        super().__init__(header_room)
-        # A heartbeat whose head is in, answered when its message completes (at once: it has no body).
-        self.waiting: tuple[RequestResponseCycle, ASGIApp] | None = None
-
-
-class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
-    """The guarded protocol, answering the heartbeats that ``heartbeats`` hears without starting the app
-    (``None``: none; set by ``configured``)."""
-
-    heartbeats: ClassVar[QuickHeartbeats | None] = None
-    connection_state = _HeartbeatConnectionState
-    _connection: _HeartbeatConnectionState
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:  # type: ignore[override]
-        heartbeats = self.heartbeats
-        if heartbeats is None or app is not self.app or self.access_log or not heartbeats.may_answer(cycle.scope):
-            super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
-        elif cycle.more_body:
-            self._connection.waiting = (cycle, app)
-        else:  # a pipelined heartbeat, started after the request before it
-            self._answer(cycle, app)
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        connection = self._connection
-        waiting = connection.waiting
-        if waiting is not None and waiting[0] is self.cycle:
-            connection.waiting = None
-            self._answer(*waiting)
-
-    def _answer(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:
-        assert self.heartbeats is not None
-        headers = None if cycle.disconnected or self.flow.write_paused else self.heartbeats.answer(cycle.scope)
-        if headers is None:
-            super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
-            return
-        # uvicorn's send, which awaits only a paused transport: it completes at once here.
-        _complete_at_once(cycle.send({"type": "http.response.start", "status": 204, "headers": headers}))
-        if self.flow.write_paused:  # the head took the transport past its mark: the end waits for it to drain
-            ending = self.loop.create_task(cycle.send(_END))
-            ending.add_done_callback(self.tasks.discard)
-            self.tasks.add(ending)
-            return
-        _complete_at_once(cycle.send(_END))
-        # Nothing reads it again (it had no body): an idle connection holds 2 KiB less. Unless the next request's
-        # head is begun: its scope and headers are being parsed.
-        if cycle is self.cycle and not self._connection.head_begun:
-            self.cycle = self.scope = self.headers = None  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self._connection.waiting = None  # it refers back to this protocol: a cycle
-
-
-# The end of a 204: no body.
-_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
-
-
-def _complete_at_once(coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run a coroutine that never suspends to its end."""
-    try:
-        coroutine.send(None)
-    except StopIteration:
-        return
-    coroutine.close()
-    raise RuntimeError("a send that was to complete at once suspended")

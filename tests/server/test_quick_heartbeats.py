@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
-from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol, QuickHeartbeats
+from exporter.server.quick_heartbeats import QuickHeartbeats
+from exporter.server.uvicorn_adapter import HeartbeatAnsweringProtocol
 from tests.helpers.http import MSGPACK, request
 from tests.helpers.ready_responses import BULKY_STATIC_CONFIG
 from tests.support import fixture_bytes, free_port, wait_until
