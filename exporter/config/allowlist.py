@@ -32,7 +32,7 @@ _ADDRESS_PATTERN = re.compile(r"[0-9*?]*\.[0-9.*?]*:[0-9*?]+")
 
 
 @dataclass(frozen=True)
-class Target:
+class ProbeTarget:
     """A probe target: the text as Prometheus sent it (the ``replica`` label), and the host and port in it."""
 
     text: str
@@ -40,7 +40,7 @@ class Target:
     port: int
 
     @classmethod
-    def parse(cls, text: str) -> Target:
+    def parse(cls, text: str) -> ProbeTarget:
         """``HOST:PORT``; a ``ValueError`` says what is wrong."""
         if not _TARGET.fullmatch(text):
             raise ValueError("expected HOST:PORT: a DNS name, an IPv4 address or an [IPv6] address, and a port")
@@ -97,7 +97,7 @@ class NamePattern:
         expression += "".join(digits.get(char, re.escape(char)) for char in port)
         return cls(entry, re.compile(expression), bool(_ADDRESS_PATTERN.fullmatch(entry)))
 
-    def permits(self, target: Target) -> bool:
+    def permits(self, target: ProbeTarget) -> bool:
         if self.addresses_only and target.address is None:
             return False
         return self.expression.fullmatch(target.normalized) is not None
@@ -128,7 +128,7 @@ class AllowList:
             names.append(NamePattern.parse(entry))
         return cls(tuple(networks), tuple(names))
 
-    def check(self, target: Target) -> None:
+    def check(self, target: ProbeTarget) -> None:
         """Raise ``TargetForbidden`` unless an entry permits the target, without resolving it: a network an
         address target, a name pattern a name (or an address as written)."""
         if not self.networks and not self.names:
@@ -145,7 +145,7 @@ class AllowList:
             "not names)"
         )
 
-    async def addresses(self, target: Target) -> list[str]:
+    async def addresses(self, target: ProbeTarget) -> list[str]:
         """The addresses to connect to, of a target ``check`` permitted: its own, or its name's, in the
         resolver's order (``OSError`` when the name does not resolve)."""
         if target.address is not None:

@@ -10,14 +10,12 @@ refuse a ready response.
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
 
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
@@ -69,17 +67,11 @@ class _AnyTextConvertor(PathConvertor):
 register_url_convertor("name", _AnyTextConvertor())
 
 
-# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it (7 % of a heartbeat's CPU here); the
-# exporter has its own metrics and no tracing.
-_WITHOUT_TELEMETRY: dict[str, Any] = (
-    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
-    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
-    else {}
-)
+TITLE = "cache-config-exporter"
 
 
 def _guarded(
-    app: FastAPI, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
+    app: Starlette, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
 ) -> frozenset[str] | None:
     """Every refusal answered through the one table (and counted by ``reject``, for ingest, where there is
     ingest), the request guard at the door and the web config's headers on every answer; returns the Host names
@@ -107,41 +99,40 @@ def _guarded(
     return allowed_hosts
 
 
+def _served(settings: Settings, endpoints: Sequence[Endpoint], metrics: Handler) -> tuple[Endpoint, ...]:
+    """``endpoints``, then ``metrics`` at ``--web.telemetry-path``."""
+    telemetry = Endpoint(settings.telemetry_path, ("GET",), Access.READ, metrics, answers=EXPOSITION_MEDIA_TYPES)
+    return (*endpoints, telemetry)
+
+
 def _serving(
     settings: Settings,
     credentials: Credentials,
-    endpoints: Sequence[Endpoint],
-    metrics: Handler,
+    served: Sequence[Endpoint],
     parts: object,
-    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]] | None = None,
     reject: Callable[[str], None] | None = None,
-) -> tuple[FastAPI, dict[Endpoint, Callable[[Request], Awaitable[Response]]], frozenset[str] | None]:
-    """An app serving ``endpoints``, then ``metrics`` at ``--web.telemetry-path``, each handler given ``parts``
-    behind its declared access (``bound``), documented by them and guarded (``_guarded``); each declaration's
-    ASGI endpoint, and the Host names it serves besides loopback ones."""
-    # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
-    app = FastAPI(
-        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-        openapi_url=None,
-        **_WITHOUT_TELEMETRY,
-    )  # fmt: skip
-    telemetry = Endpoint(settings.telemetry_path, ("GET",), Access.READ, metrics, answers=EXPOSITION_MEDIA_TYPES)
-    served = (*endpoints, telemetry)
-    document = openapi_document(app.title, app.version, served)
-    app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+) -> tuple[Starlette, dict[Endpoint, Callable[[Request], Awaitable[Response]]], frozenset[str] | None]:
+    """An app serving ``served``, each handler given ``parts`` behind its declared access (``bound``), and
+    guarded (``_guarded``); each declaration's ASGI endpoint, and the Host names it serves besides loopback ones.
+
+    A Starlette app: the exporter takes nothing of FastAPI's (docs/architecture.md, The HTTP edge)."""
+    app = Starlette(lifespan=lifespan)
     routes = {endpoint: bound(endpoint, parts, credentials) for endpoint in served}
     for endpoint, route in routes.items():
         app.add_route(endpoint.path, route, list(endpoint.methods), include_in_schema=False)
     return app, routes, _guarded(app, settings, credentials, reject)
 
 
-def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> FastAPI:
+def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> Starlette:
     """``serve --probe.only``: /probe, the exporter's own metrics and health; no ingest routes and no store, so
     it needs neither an ingest token nor a writable file system."""
     register_own_metrics(registry)
     registry.register(credentials)  # the reload state of the access files
-    parts = ProbeOnly(Prober(settings, settings.base_labels(), registry), registry)
-    app, _, _ = _serving(settings, credentials, PROBE_ONLY_ENDPOINTS, get_own_metrics, parts)
+    served = _served(settings, PROBE_ONLY_ENDPOINTS, get_own_metrics)
+    document = openapi_document(TITLE, __version__, served)
+    parts = ProbeOnly(Prober(settings, settings.base_labels(), registry), document, registry)
+    app, _, _ = _serving(settings, credentials, served, parts)
     app.state.exporter = parts
     app.state.quick_heartbeats = None  # no heartbeats to hear
     return app
@@ -151,7 +142,7 @@ def create_app(
     settings: Settings,
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.time,
-) -> FastAPI:
+) -> Starlette:
     """Build the exporter app with its own store, state, credentials and metrics registry; with ``--probe.only``
     one that opens no store (``_probe_only_app``)."""
     registry = registry if registry is not None else CollectorRegistry()
@@ -182,18 +173,19 @@ def create_app(
     prober = Prober(settings, base_labels, registry)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
         await run_in_threadpool(state.close)
         store.close()
 
     status = StatusPage(state, settings.telemetry_path, clock)
+    served = _served(settings, ENDPOINTS, get_metrics)
+    document = openapi_document(TITLE, __version__, served)
     parts = Exporter(
-        prober, state, telemetry, exposition, listing, status, settings.telemetry_path, clock, settings.workers > 1
-    )
-    app, routes, allowed_hosts = _serving(
-        settings, credentials, ENDPOINTS, get_metrics, parts, lifespan, telemetry.reject
-    )
+        prober, document, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,
+        settings.workers > 1,
+    )  # fmt: skip
+    app, routes, allowed_hosts = _serving(settings, credentials, served, parts, lifespan, telemetry.reject)
     app.state.exporter = parts
     # With a shared store a heartbeat is a commit, which only the app awaits.
     quick_heartbeats = None
@@ -206,7 +198,7 @@ def create_app(
     return app
 
 
-def create_app_from_environment() -> FastAPI:
+def create_app_from_environment() -> Starlette:
     """The app of one worker process of ``serve --web.workers N``: settings come from the parent."""
     freeze_survivors()
     return create_app(Settings.from_environment())

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
-from exporter.config.allowlist import Target, TargetForbidden
+from exporter.config.allowlist import ProbeTarget, TargetForbidden
 from exporter.errors import Forbidden, InvalidRequest, NotFound, StorageUnavailable
 from exporter.exposition.formats import OPENMETRICS, TEXT, accepts_gzip
 from exporter.exposition.listing import DeploymentListing
@@ -62,9 +62,11 @@ from protocol import (
 
 @dataclass(frozen=True)
 class Probing:
-    """What ``/probe`` works with, in every app, a probe-only one's too."""
+    """What ``/probe`` and the API's reference work with, in every app, a probe-only one's too."""
 
     prober: Prober
+    # The OpenAPI document of the routes served (``exporter/server/openapi.py``).
+    api_document: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,7 @@ def _scrape_timeout(request: Request) -> float | None:
 async def get_probe(request: Request, exporter: Probing, query: ProbeQuery) -> Response:
     """Probe a stock vLLM server's /metrics and answer its true cache config (Prometheus' multi-target pattern)."""
     try:
-        target = Target.parse(query.target)
+        target = ProbeTarget.parse(query.target)
     except ValueError as error:
         raise InvalidRequest("query.target", str(error)) from None
     prober = exporter.prober
@@ -277,7 +279,7 @@ async def healthy(request: Request, exporter: Probing, _: None) -> Response:
     return PlainTextResponse("Healthy.\n")
 
 
-async def ready(request: Request, exporter: Exporter, _: None) -> Response:
+async def readiness(request: Request, exporter: Exporter, _: None) -> Response:
     """Readiness: 200 while the store commits, else 503 naming why (for probes; no credentials needed)."""
     error = exporter.state.storage_error
     if error is not None:
@@ -296,12 +298,12 @@ async def landing(request: Request, exporter: Exporter, _: None) -> Response:
 
 async def openapi_json(request: Request, exporter: Probing, _: None) -> Response:
     """The OpenAPI document (``exporter/server/openapi.py``)."""
-    return JSONResponse(request.app.openapi())
+    return JSONResponse(exporter.api_document)
 
 
 async def docs(request: Request, exporter: Probing, _: None) -> Response:
     """The API reference: this document's operations, without Swagger UI's scripts from a CDN."""
-    return HTMLResponse(api_reference(request.app.openapi()))
+    return HTMLResponse(api_reference(exporter.api_document))
 
 
 DEPLOYMENT = "/api/v1/deployments/{deployment:name}"
@@ -322,7 +324,7 @@ ENDPOINTS = (
     Endpoint(DEPLOYMENT, ("DELETE",), INGEST, delete_deployment, GoodbyeQuery, status=204),
     Endpoint("/probe", ("GET",), READ, get_probe, ProbeQuery, answers=(*EXPOSITION_MEDIA_TYPES, "text/plain")),
     Endpoint("/-/healthy", ("GET",), OPEN, healthy, answers=("text/plain",)),
-    Endpoint("/-/ready", ("GET",), OPEN, ready, answers=("text/plain",)),
+    Endpoint("/-/ready", ("GET",), OPEN, readiness, answers=("text/plain",)),
     Endpoint("/", ("GET",), READ, landing, documented=False),
     Endpoint("/docs", ("GET",), OPEN, docs, documented=False),
     Endpoint("/openapi.json", ("GET",), OPEN, openapi_json, documented=False),

@@ -120,10 +120,10 @@ class PipelineBoundProtocol(HttpToolsProtocol):
 
     uvicorn queues a request that arrives while the one before it is answered (``pipeline``) and pauses reading,
     but it resumes reading whenever an answer completes or the app reads, whatever its queue holds, and it parses
-    every request of a read at once (what that cost unbounded: docs/PERFORMANCE.md, Memory). Here the parser is fed
-    ``FEED_BYTES`` at a time; once ``PIPELINED_AT_MOST`` requests wait, the rest of the read is kept unparsed and
-    the connection is not read until the queue drains. So a connection holds at most the requests of one feed past
-    the bound, and one read.
+    every request of a read at once (what that cost, unbounded: docs/RELIABILITY.md, "Pipelining bounded"). Here
+    the parser is fed ``FEED_BYTES`` at a time; once ``PIPELINED_AT_MOST`` requests wait, the rest of the read is
+    kept unparsed and the connection is not read until the queue drains. So a connection holds at most the requests
+    of one feed past the bound, and one read.
 
     At close the queue is dropped: each queued request refers back to its protocol (a reference cycle), garbage that
     reference counting cannot free, and that frozen (``exporter/server/gc_freeze.py``) the collector would not see.

@@ -2,8 +2,8 @@
 Kubernetes init container (deploy/kubernetes/examples/vllm.yaml), or layered on with the Dockerfile of docs/vllm.md.
 
 Built offline as docs/deployment.md's "Building offline" does, on the base image of docker/make-base-image.sh (skipped
-where it was never made: tests/deploy/test_docker_image.py makes it); the layer recipe of docs/vllm.md is built on that base in
-place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
+where it was never made: tests/deploy/test_docker_image.py makes it); the layer recipe of docs/vllm.md is built on
+that base in place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
 """
 
 from __future__ import annotations

@@ -45,15 +45,14 @@ def _files(names: tuple[str, ...] | str, suffix: str | None = None) -> list[Path
     return found
 
 
+# Comments and string literals; an f-string's text is its own token from Python 3.12 on.
+KEPT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+
+
 def _comments_and_docstrings(source: str) -> str:
     """A Python file's comments and string literals (its docstrings among them)."""
-    kept = []
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type in (tokenize.COMMENT, tokenize.STRING):
-            kept.append(token.string)
-        elif token.type == getattr(tokenize, "FSTRING_MIDDLE", None):
-            kept.append(token.string)
-    return "\n".join(kept)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return "\n".join(token.string for token in tokens if token.type in KEPT_TOKENS)
 
 
 def exists(named: str) -> bool:

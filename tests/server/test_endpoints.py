@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.server.endpoints import Access, Endpoint
 from tests.helpers.http import Reply

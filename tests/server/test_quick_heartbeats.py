@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
@@ -38,7 +38,7 @@ class Server:
     """``create_app(settings)`` served by uvicorn with the exporter's protocol on a free loopback port."""
 
     def __init__(self, settings: Settings, quick: bool = True, access_log: bool = False) -> None:
-        self.app: FastAPI = create_app(settings, registry=CollectorRegistry())
+        self.app: Starlette = create_app(settings, registry=CollectorRegistry())
         self.heartbeats: QuickHeartbeats = self.app.state.quick_heartbeats
         self.port = free_port()
         protocol = HeartbeatAnsweringProtocol.configured(
