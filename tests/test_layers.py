@@ -163,7 +163,8 @@ def test_only_the_app_imports_the_route_handlers() -> None:
 
 
 def test_only_the_server_and_the_command_line_import_fastapi_and_uvicorn() -> None:
-    stacks = {"fastapi", "uvicorn", "httptools", "uvloop"}
+    """And Starlette: ASGI is served by ``exporter/server/``; ``security/`` decides, it does not serve."""
+    stacks = {"fastapi", "starlette", "uvicorn", "httptools", "uvloop"}
     importers = {name for name, path in MODULES.items() if {i.split(".")[0] for i in _imports(path)} & stacks}
     assert {part_of(name) for name in importers} <= {"exporter.server", "exporter.cli"}
 
