@@ -7,16 +7,15 @@ A target is ``HOST:PORT`` and nothing else (no scheme, user, path or query), so 
 of characters within one label and ``?`` one character, neither ever crossing a dot, so ``10.0.0.*:8000``
 cannot permit ``10.0.0.7.attacker.example:8000``; a pattern of dotted digits and wildcards alone matches
 addresses only. A name pattern trusts the name, whatever it resolves to. Whether a target is permitted is
-known before any DNS lookup: a name no pattern permits is refused without one. No entry: probing is off.
+known before any DNS lookup (the probe's: ``exporter/probe/addresses.py``): a name no pattern permits is refused
+without one. No entry: probing is off.
 Imports nothing of the exporter, so the settings can check the flag's entries at start-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import re
-import socket
 from dataclasses import dataclass
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -71,12 +70,6 @@ class ProbeTarget:
 
 class TargetForbidden(Exception):
     """The allowlist does not let the exporter fetch this target."""
-
-
-async def resolve(host: str, port: int) -> list[str]:
-    """The addresses of a name, in the resolver's order: the one DNS lookup a probe makes."""
-    resolved = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in resolved))
 
 
 @dataclass(frozen=True)
@@ -144,10 +137,3 @@ class AllowList:
             f"{target.text} matches no HOST:PORT pattern of --probe.allowed-targets (a CIDR permits addresses, "
             "not names)"
         )
-
-    async def addresses(self, target: ProbeTarget) -> list[str]:
-        """The addresses to connect to, of a target ``check`` permitted: its own, or its name's, in the
-        resolver's order (``OSError`` when the name does not resolve)."""
-        if target.address is not None:
-            return [target.host]
-        return await resolve(target.host, target.port)

@@ -41,6 +41,7 @@ from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.probe.addresses import addresses_of
 from exporter.probe.client import MetricsClient, ProbeFailed
 from exporter.probe.text_format import INFO, Shown, TextReader
 from exporter.probe.turns import Turns
@@ -278,7 +279,7 @@ class Prober:
         try:
             async with asyncio.timeout(timeout):
                 try:
-                    addresses = await self.allowlist.addresses(target)
+                    addresses = await addresses_of(target)
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
