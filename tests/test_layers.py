@@ -23,8 +23,8 @@ BELOW = {
     "exporter.exposition": {"exporter.state"},
     "exporter.config": {"exporter.exposition"},
     "exporter.security": {"exporter", "exporter.errors", "exporter.config", "protocol"},
-    "exporter.probe": {"exporter.config", "exporter.security"},
-    "exporter.server": {"exporter.probe"},
+    "exporter.probe": {"exporter.config"},
+    "exporter.server": {"exporter.probe", "exporter.security"},
     "exporter.cli": {"exporter.server", "exporter.vllm_plugin"},
 }
 

@@ -28,8 +28,8 @@ from exporter import __version__
 from exporter.config.allowlist import ProbeTarget
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
+from exporter.config.watched_files import Watched
 from exporter.probe.turns import ProbeTurns
-from exporter.security.watched_files import Watched
 from protocol import tokens
 
 # The response line and headers of a target; vLLM's are a few hundred bytes.

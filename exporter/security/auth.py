@@ -1,7 +1,7 @@
 """Who may do what: ingest and every change need an ingest bearer token; reading metrics and state needs a
 metrics token or a basic-auth user, when configured.
 
-The access files are watched (``exporter/security/watched_files.py``): tokens, passwords and certificates rotate without
+The access files are watched (``exporter/config/watched_files.py``): tokens, passwords and certificates rotate without
 a restart. Secrets are compared in constant time and never appear in logs or error bodies. A refusal is an
 ``Unauthorized`` (401 with its challenge) or, when too many password checks wait, an ``AuthenticationBusy``;
 ``exporter/server/problems.py``'s table gives both their status.
@@ -23,11 +23,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
+from exporter.config.watched_files import Watched
 from exporter.errors import Refused
 from exporter.security.bcrypt_checks import BcryptChecks
 from exporter.security.https_listener import watched_tls
 from exporter.security.token_file import watched_tokens
-from exporter.security.watched_files import Watched
 from exporter.security.web_config import WEB_CONFIG_FLAG, WebConfig, watched_web_config
 
 _log = logging.getLogger("cache_config_exporter")
