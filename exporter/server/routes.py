@@ -279,7 +279,7 @@ async def healthy(request: Request, exporter: Probing, _: None) -> Response:
     return PlainTextResponse("Healthy.\n")
 
 
-async def readiness(request: Request, exporter: Exporter, _: None) -> Response:
+async def ready(request: Request, exporter: Exporter, _: None) -> Response:
     """Readiness: 200 while the store commits, else 503 naming why (for probes; no credentials needed)."""
     error = exporter.state.storage_error
     if error is not None:
@@ -324,7 +324,7 @@ ENDPOINTS = (
     Endpoint(DEPLOYMENT, ("DELETE",), INGEST, delete_deployment, GoodbyeQuery, status=204),
     Endpoint("/probe", ("GET",), READ, get_probe, ProbeQuery, answers=(*EXPOSITION_MEDIA_TYPES, "text/plain")),
     Endpoint("/-/healthy", ("GET",), OPEN, healthy, answers=("text/plain",)),
-    Endpoint("/-/ready", ("GET",), OPEN, readiness, answers=("text/plain",)),
+    Endpoint("/-/ready", ("GET",), OPEN, ready, answers=("text/plain",)),
     Endpoint("/", ("GET",), READ, landing, documented=False),
     Endpoint("/docs", ("GET",), OPEN, docs, documented=False),
     Endpoint("/openapi.json", ("GET",), OPEN, openapi_json, documented=False),
