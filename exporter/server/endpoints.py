@@ -51,7 +51,12 @@ class Endpoint(NamedTuple):
 
 
 def _authorization(request: Request) -> str:
-    return request.headers.get("authorization", "")
+    """The first ``Authorization`` header (ASGI's names are lower-case), read off the scope: a heartbeat answered
+    beneath the app then builds no Starlette ``Headers``, whether or not a token is configured."""
+    for name, value in request.scope["headers"]:
+        if name == b"authorization":
+            return str(value.decode("latin-1"))
+    return ""
 
 
 def admitted_at_once(credentials: Credentials, access: Access, request: Request) -> bool:
