@@ -53,10 +53,8 @@ class Endpoint(NamedTuple):
 def _authorization(request: Request) -> str:
     """The first ``Authorization`` header (ASGI's names are lower-case), read off the scope: a heartbeat answered
     beneath the app then builds no Starlette ``Headers``, whether or not a token is configured."""
-    for name, value in request.scope["headers"]:
-        if name == b"authorization":
-            return str(value.decode("latin-1"))
-    return ""
+    headers: list[tuple[bytes, bytes]] = request.scope["headers"]
+    return next((value.decode("latin-1") for name, value in headers if name == b"authorization"), "")
 
 
 def admitted_at_once(credentials: Credentials, access: Access, request: Request) -> bool:
