@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
     from exporter.security.https_listener import ReloadingTls, watched_tls
     from exporter.server.app import create_app
     from exporter.server.gc_freeze import freeze_survivors
-    from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol
+    from exporter.server.uvicorn_adapter import HeartbeatAnsweringProtocol
 
     # uvicorn drains in-flight requests and runs the lifespan shutdown (queued commits finish) on SIGTERM,
     # then raises the signal again; exit 0 then instead of dying of it.

@@ -190,7 +190,6 @@ _VLLM_FIELDS = tuple(name for name in EngineCoreReadyResponse.__struct_fields__ 
 
 MSGPACK = "msgpack"
 JSON = "json"
-WIRE_FORMATS = (MSGPACK, JSON)
 
 _decoders: dict[str, Any] = {
     MSGPACK: msgspec.msgpack.Decoder(EngineCoreReadyResponse),

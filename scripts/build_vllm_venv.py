@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build (once) a venv with a real CPU vLLM and install this clone's project into it; print the venv's path.
 
-The tests in ``tests/test_real_vllm.py`` run ``vllm serve`` from this venv with
+The tests in ``tests/real_vllm/test_real_vllm.py`` run ``vllm serve`` from this venv with
 the project's plugin. Building takes minutes and gigabytes, so the venv lives
 outside the clone, in a folder keyed by the versions it holds, and is reused
 by every clone and every run; only the project is reinstalled each time, so

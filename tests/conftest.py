@@ -5,8 +5,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app

@@ -23,8 +23,8 @@ BELOW = {
     "exporter.exposition": {"exporter.state"},
     "exporter.config": {"exporter.exposition"},
     "exporter.security": {"exporter", "exporter.errors", "exporter.config", "protocol"},
-    "exporter.probe": {"exporter.config", "exporter.security"},
-    "exporter.server": {"exporter.probe"},
+    "exporter.probe": {"exporter.config"},
+    "exporter.server": {"exporter.probe", "exporter.security"},
     "exporter.cli": {"exporter.server", "exporter.vllm_plugin"},
 }
 
@@ -43,16 +43,29 @@ def _module(path: Path) -> str:
 _FILES = {_module(path) for package in ("protocol", "exporter") for path in (ROOT / package).rglob("*.py")}
 
 
+def _absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from`` import names, a relative one (``from .x import y``) resolved against ``path``."""
+    if node.level == 0:
+        return node.module or ""
+    package = _module(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (functions and ``TYPE_CHECKING`` blocks included)."""
+    """Every module ``path`` imports, anywhere in it (functions and ``TYPE_CHECKING`` blocks included), relative
+    imports resolved."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node)
             # ``from package import module`` imports the module; the package's face alone is no arrow.
-            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & _FILES
-            names.update(submodules or {node.module})
+            submodules = {f"{module}.{alias.name}" for alias in node.names} & _FILES
+            names.update(submodules or {module})
     return names
 
 
@@ -106,6 +119,15 @@ def test_the_parts_import_only_the_parts_below_them() -> None:
     assert not wrong
 
 
+def test_a_relative_import_is_an_arrow_too() -> None:
+    """``from . import x`` and ``from ..y import z`` count as the absolute imports they are."""
+    server = ROOT / "exporter" / "server" / "app.py"
+    assert _absolute(server, ast.parse("from . import routes").body[0]) == "exporter.server"  # type: ignore[arg-type]
+    assert _absolute(server, ast.parse("from ..state import x").body[0]) == "exporter.state"  # type: ignore[arg-type]
+    package = ROOT / "exporter" / "state" / "__init__.py"
+    assert _absolute(package, ast.parse("from .writer import W").body[0]) == "exporter.state.writer"  # type: ignore[arg-type]
+
+
 def test_the_declared_parts_have_no_cycle() -> None:
     """The table itself is one way: no part may, through others, import itself."""
     assert not [part for part, allowed in ALLOWED.items() if part in allowed]
@@ -141,7 +163,8 @@ def test_only_the_app_imports_the_route_handlers() -> None:
 
 
 def test_only_the_server_and_the_command_line_import_fastapi_and_uvicorn() -> None:
-    stacks = {"fastapi", "uvicorn", "httptools", "uvloop"}
+    """And Starlette: ASGI is served by ``exporter/server/``; ``security/`` decides, it does not serve."""
+    stacks = {"fastapi", "starlette", "uvicorn", "httptools", "uvloop"}
     importers = {name for name, path in MODULES.items() if {i.split(".")[0] for i in _imports(path)} & stacks}
     assert {part_of(name) for name in importers} <= {"exporter.server", "exporter.cli"}
 

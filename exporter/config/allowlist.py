@@ -7,16 +7,15 @@ A target is ``HOST:PORT`` and nothing else (no scheme, user, path or query), so 
 of characters within one label and ``?`` one character, neither ever crossing a dot, so ``10.0.0.*:8000``
 cannot permit ``10.0.0.7.attacker.example:8000``; a pattern of dotted digits and wildcards alone matches
 addresses only. A name pattern trusts the name, whatever it resolves to. Whether a target is permitted is
-known before any DNS lookup: a name no pattern permits is refused without one. No entry: probing is off.
+known before any DNS lookup (the probe's: ``exporter/probe/addresses.py``): a name no pattern permits is refused
+without one. No entry: probing is off.
 Imports nothing of the exporter, so the settings can check the flag's entries at start-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import re
-import socket
 from dataclasses import dataclass
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -32,7 +31,7 @@ _ADDRESS_PATTERN = re.compile(r"[0-9*?]*\.[0-9.*?]*:[0-9*?]+")
 
 
 @dataclass(frozen=True)
-class Target:
+class ProbeTarget:
     """A probe target: the text as Prometheus sent it (the ``replica`` label), and the host and port in it."""
 
     text: str
@@ -40,7 +39,7 @@ class Target:
     port: int
 
     @classmethod
-    def parse(cls, text: str) -> Target:
+    def parse(cls, text: str) -> ProbeTarget:
         """``HOST:PORT``; a ``ValueError`` says what is wrong."""
         if not _TARGET.fullmatch(text):
             raise ValueError("expected HOST:PORT: a DNS name, an IPv4 address or an [IPv6] address, and a port")
@@ -73,12 +72,6 @@ class TargetForbidden(Exception):
     """The allowlist does not let the exporter fetch this target."""
 
 
-async def resolve(host: str, port: int) -> list[str]:
-    """The addresses of a name, in the resolver's order: the one DNS lookup a probe makes."""
-    resolved = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in resolved))
-
-
 @dataclass(frozen=True)
 class NamePattern:
     """A ``HOST:PORT`` pattern of the allowlist: its text, and the expression it matches targets with."""
@@ -97,7 +90,7 @@ class NamePattern:
         expression += "".join(digits.get(char, re.escape(char)) for char in port)
         return cls(entry, re.compile(expression), bool(_ADDRESS_PATTERN.fullmatch(entry)))
 
-    def permits(self, target: Target) -> bool:
+    def permits(self, target: ProbeTarget) -> bool:
         if self.addresses_only and target.address is None:
             return False
         return self.expression.fullmatch(target.normalized) is not None
@@ -128,7 +121,7 @@ class AllowList:
             names.append(NamePattern.parse(entry))
         return cls(tuple(networks), tuple(names))
 
-    def check(self, target: Target) -> None:
+    def check(self, target: ProbeTarget) -> None:
         """Raise ``TargetForbidden`` unless an entry permits the target, without resolving it: a network an
         address target, a name pattern a name (or an address as written)."""
         if not self.networks and not self.names:
@@ -144,10 +137,3 @@ class AllowList:
             f"{target.text} matches no HOST:PORT pattern of --probe.allowed-targets (a CIDR permits addresses, "
             "not names)"
         )
-
-    async def addresses(self, target: Target) -> list[str]:
-        """The addresses to connect to, of a target ``check`` permitted: its own, or its name's, in the
-        resolver's order (``OSError`` when the name does not resolve)."""
-        if target.address is not None:
-            return [target.host]
-        return await resolve(target.host, target.port)

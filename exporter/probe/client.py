@@ -25,11 +25,11 @@ from typing import Protocol
 import h11
 
 from exporter import __version__
-from exporter.config.allowlist import Target
+from exporter.config.allowlist import ProbeTarget
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
+from exporter.config.watched_files import Watched
 from exporter.probe.turns import ProbeTurns
-from exporter.security.watched_files import Watched
 from protocol import tokens
 
 # The response line and headers of a target; vLLM's are a few hundred bytes.
@@ -110,7 +110,7 @@ class MetricsClient:
         return "https" if self.tls else "http"
 
     async def fetch(
-        self, target: Target, addresses: list[str], log: Callable[[str], None], turns: ProbeTurns, body: BodyReader
+        self, target: ProbeTarget, addresses: list[str], log: Callable[[str], None], turns: ProbeTurns, body: BodyReader
     ) -> None:
         """``GET /metrics`` from the first of ``addresses`` that takes the connection, its body given to ``body``
         as it comes, in ``turns``' slices."""
@@ -146,7 +146,7 @@ class MetricsClient:
         finally:
             writer.transport.abort()  # no waiting for a TLS close_notify from a target that may never send it
 
-    def _request(self, target: Target) -> h11.Request:
+    def _request(self, target: ProbeTarget) -> h11.Request:
         headers = [
             ("Host", target.normalized),
             ("User-Agent", f"cache-config-exporter/{__version__}"),

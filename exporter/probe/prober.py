@@ -34,13 +34,14 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.config.allowlist import AllowList, Target
+from exporter.config.allowlist import AllowList, ProbeTarget
 from exporter.config.settings import Settings, flag_of
 from exporter.errors import Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.probe.addresses import addresses_of
 from exporter.probe.client import MetricsClient, ProbeFailed
 from exporter.probe.text_format import INFO, Shown, TextReader
 from exporter.probe.turns import Turns
@@ -115,7 +116,7 @@ def release_of_labels(names: frozenset[str]) -> tuple[Release, str]:
 
 
 def read_vllm(
-    shown: Shown, target: Target, deployment: str | None, base_labels: Mapping[str, str], log: ProbeLog
+    shown: Shown, target: ProbeTarget, deployment: str | None, base_labels: Mapping[str, str], log: ProbeLog
 ) -> Replica:
     """The replica a vLLM server's ``/metrics`` shows, synced as a push of the same figures would be."""
     if not shown.engines:
@@ -249,7 +250,7 @@ class Prober:
             return self.max_seconds
         return min(self.max_seconds, max(scrape_timeout - TIMEOUT_MARGIN_SECONDS, scrape_timeout / 2))
 
-    async def probe(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
+    async def probe(self, target: ProbeTarget, deployment: str | None, timeout: float) -> Outcome:
         """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it, and
         ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries)."""
         self.allowlist.check(target)
@@ -270,7 +271,7 @@ class Prober:
                       outcome.log[-1])  # fmt: skip
         return outcome
 
-    async def _run(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
+    async def _run(self, target: ProbeTarget, deployment: str | None, timeout: float) -> Outcome:
         """Everything a probe does, within ``timeout``: at the deadline it stops wherever it is."""
         log = ProbeLog()
         log(f"probing {self.client.scheme}://{target.text}/metrics, timeout {timeout:g} s")
@@ -278,7 +279,7 @@ class Prober:
         try:
             async with asyncio.timeout(timeout):
                 try:
-                    addresses = await self.allowlist.addresses(target)
+                    addresses = await addresses_of(target)
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
@@ -304,7 +305,7 @@ class Prober:
             _log.warning("%d probes are running, the most %s allows: further probes get 503", self.running,
                          _MAX_RUNNING_FLAG)  # fmt: skip
 
-    def _answer(self, shown: Shown, target: Target, deployment: str | None, log: ProbeLog) -> bytes:
+    def _answer(self, shown: Shown, target: ProbeTarget, deployment: str | None, log: ProbeLog) -> bytes:
         """The cache-config series of what the target showed."""
         replica = read_vllm(shown, target, deployment, self.base_labels, log)
         labels = replica.synced.labels

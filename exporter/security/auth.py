@@ -1,7 +1,7 @@
 """Who may do what: ingest and every change need an ingest bearer token; reading metrics and state needs a
 metrics token or a basic-auth user, when configured.
 
-The access files are watched (``exporter/security/watched_files.py``): tokens, passwords and certificates rotate without
+The access files are watched (``exporter/config/watched_files.py``): tokens, passwords and certificates rotate without
 a restart. Secrets are compared in constant time and never appear in logs or error bodies. A refusal is an
 ``Unauthorized`` (401 with its challenge) or, when too many password checks wait, an ``AuthenticationBusy``;
 ``exporter/server/problems.py``'s table gives both their status.
@@ -9,27 +9,25 @@ a restart. Secrets are compared in constant time and never appear in logs or err
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hmac
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from starlette.requests import Request
 
 from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
+from exporter.config.watched_files import Watched
 from exporter.errors import Refused
 from exporter.security.bcrypt_checks import BcryptChecks
 from exporter.security.https_listener import watched_tls
 from exporter.security.token_file import watched_tokens
-from exporter.security.watched_files import Watched
 from exporter.security.web_config import WEB_CONFIG_FLAG, WebConfig, watched_web_config
 
 _log = logging.getLogger("cache_config_exporter")
@@ -41,26 +39,6 @@ class Unauthorized(Refused):
     def __init__(self, reason: str, challenge: str) -> None:
         super().__init__("Authorization", reason)
         self.headers: Mapping[str, str] = {"WWW-Authenticate": challenge}
-
-
-@contextmanager
-def _departure(request: Request) -> Iterator[asyncio.Future[Any]]:
-    """A future done once the client has hung up: its request's next ASGI messages, awaited aside.
-
-    Only for requests whose body nobody reads (the reads): the watch takes the request's body message.
-    """
-
-    async def hung_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(hung_up())
-    try:
-        yield watch
-    finally:
-        watch.cancel()
-        if watch.done() and not watch.cancelled():
-            watch.exception()  # a hang-up the request guard refuses: retrieved, nobody is left to answer
 
 
 @dataclass(eq=False)  # hashable by identity: it is registered as a metrics collector
@@ -90,25 +68,31 @@ class Credentials:
             plain_users=_plain_users(settings.metrics_basic_auth_file),
         )
 
-    def require_ingest(self, request: Request) -> None:
-        """Ingest and every change need an ingest token, when a token file is configured."""
-        if self.ingest_tokens is not None and not _bearer_matches(request, self.ingest_tokens.current()):
+    def require_ingest(self, authorization: str) -> None:
+        """Ingest and every change need an ingest token, when a token file is configured; ``authorization`` is
+        the request's ``Authorization`` header."""
+        if self.ingest_tokens is not None and not _bearer_matches(authorization, self.ingest_tokens.current()):
             raise Unauthorized("a valid ingest bearer token is required", 'Bearer realm="ingest"')
 
-    async def require_reader(self, request: Request) -> None:
-        """Metrics and the JSON state need a metrics token or a metrics user, when configured."""
+    async def require_reader(
+        self, authorization: str, departure: Callable[[], AbstractContextManager[Callable[[], bool]]]
+    ) -> None:
+        """Metrics and the JSON state need a metrics token or a metrics user, when configured.
+
+        ``departure`` watches, while a password's hash is checked, whether the client has hung up (its check is
+        then dropped): it is entered only for such a check, which alone waits."""
         config = self.web_config.current() if self.web_config is not None else WebConfig()
         users = config.users
         if self.metrics_tokens is None and not users and self.plain_users is None:
             return
-        if self.metrics_tokens is not None and _bearer_matches(request, self.metrics_tokens.current()):
+        if self.metrics_tokens is not None and _bearer_matches(authorization, self.metrics_tokens.current()):
             return
-        basic = _basic_credentials(request)
+        basic = _basic_credentials(authorization)
         if basic is not None:
             user, password = basic
             if users:
-                with _departure(request) as hung_up:
-                    if await self._bcrypt.matches(user, password, users.get(user), config.bcrypt_cost, hung_up.done):
+                with departure() as hung_up:
+                    if await self._bcrypt.matches(user, password, users.get(user), config.bcrypt_cost, hung_up):
                         return
             if self.plain_users is not None and _plain_matches(user, password, self.plain_users):
                 return
@@ -176,8 +160,8 @@ def _plain_users(path: Path | None) -> dict[str, bytes] | None:
     return users
 
 
-def _bearer_matches(request: Request, tokens: frozenset[bytes]) -> bool:
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+def _bearer_matches(authorization: str, tokens: frozenset[bytes]) -> bool:
+    scheme, _, value = authorization.partition(" ")
     if scheme.lower() != "bearer":
         return False
     offered = value.strip().encode()
@@ -185,8 +169,8 @@ def _bearer_matches(request: Request, tokens: frozenset[bytes]) -> bool:
     return sum(hmac.compare_digest(offered, token) for token in tokens) > 0
 
 
-def _basic_credentials(request: Request) -> tuple[str, bytes] | None:
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+def _basic_credentials(authorization: str) -> tuple[str, bytes] | None:
+    scheme, _, value = authorization.partition(" ")
     if scheme.lower() != "basic":
         return None
     try:

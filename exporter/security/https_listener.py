@@ -1,7 +1,7 @@
 """What the HTTPS listener serves: the certificate of the web config or of the older TLS flags, per handshake.
 
 uvicorn builds the listener's context once; its SNI callback hands every handshake the context of the files as
-they are now (``exporter/security/watched_files.py``), so a renewed certificate applies without a restart.
+they are now (``exporter/config/watched_files.py``), so a renewed certificate applies without a restart.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.config.settings import Settings, flag_of
+from exporter.config.watched_files import Watched
 from exporter.security.tls import tls_context
-from exporter.security.watched_files import Watched
 from exporter.security.web_config import WebConfig, watched_web_config
 
 

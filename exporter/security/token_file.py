@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exporter.config.option import SettingsError, read_secret
-from exporter.security.watched_files import Watched
+from exporter.config.watched_files import Watched
 
 
 def watched_tokens(flag: str, path: Path) -> Watched[frozenset[bytes]]:

@@ -4,7 +4,7 @@ The file sets ``tls_server_config`` (certificate, key, protocol versions), ``bas
 and ``http_server_config.headers``. As exporter-toolkit (yaml ``UnmarshalStrict``) does, unknown fields and
 repeated keys are refused; exporter-toolkit's fields this exporter does not implement are refused by name. Every
 error names the file and the ``$.path`` at fault, never a secret. The file, and the certificate and key it names,
-are watched (``exporter/security/watched_files.py``): a change applies at the next request or TLS handshake.
+are watched (``exporter/config/watched_files.py``): a change applies at the next request or TLS handshake.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from typing import Annotated, Any
 
 import msgspec
 import yaml
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exporter.config.option import SettingsError, read_file
 from exporter.config.settings import flag_of
+from exporter.config.watched_files import Watched
 from exporter.security.tls import TlsVersion, tls_context
-from exporter.security.watched_files import Watched
 from protocol import InvalidPayload
 
 WEB_CONFIG_FLAG = flag_of("web_config_file")
@@ -167,26 +166,3 @@ def watched_web_config(path: Path) -> Watched[WebConfig]:
 def response_headers(web_config: Watched[WebConfig] | None) -> tuple[tuple[bytes, bytes], ...]:
     """The headers every response carries: ``http_server_config.headers`` of the web config as it is now."""
     return web_config.current().headers if web_config is not None else ()
-
-
-class ResponseHeaders:
-    """ASGI middleware adding ``http_server_config.headers`` of the web config (as it is now) to every response."""
-
-    def __init__(self, app: ASGIApp, web_config: Watched[WebConfig] | None) -> None:
-        self.app = app
-        self.web_config = web_config
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        web_config = self.web_config
-        if scope["type"] != "http" or web_config is None:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                extra = response_headers(web_config)
-                if extra:
-                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)

@@ -9,14 +9,13 @@ refuse a ready response.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
 
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
@@ -34,21 +33,23 @@ from exporter.exposition.telemetry import Telemetry, register_own_metrics
 from exporter.exposition.views import encode_view
 from exporter.probe.prober import Prober
 from exporter.security.auth import Credentials
-from exporter.security.web_config import ResponseHeaders, response_headers
+from exporter.security.web_config import response_headers
+from exporter.server.endpoints import Access, Endpoint, Handler, bound
 from exporter.server.gc_freeze import freeze_survivors
-from exporter.server.openapi import Endpoint, openapi_document
+from exporter.server.openapi import openapi_document
 from exporter.server.pages import StatusPage
 from exporter.server.problems import Problem, problem_for, problem_response
 from exporter.server.quick_heartbeats import QuickHeartbeats
 from exporter.server.request_guard import RequestGuard
+from exporter.server.response_headers import ResponseHeaders
 from exporter.server.routes import (
     ENDPOINTS,
     EXPOSITION_MEDIA_TYPES,
+    HEARTBEAT,
     Exporter,
     get_metrics,
     hear_heartbeat,
     is_ingest,
-    post_heartbeat,
 )
 from exporter.server.routes_probe_only import PROBE_ONLY_ENDPOINTS, ProbeOnly, get_own_metrics
 from exporter.state.exporter_state import ExporterState
@@ -66,17 +67,11 @@ class _AnyTextConvertor(PathConvertor):
 register_url_convertor("name", _AnyTextConvertor())
 
 
-# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it (7 % of a heartbeat's CPU here); the
-# exporter has its own metrics and no tracing.
-_WITHOUT_TELEMETRY: dict[str, Any] = (
-    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
-    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
-    else {}
-)
+TITLE = "cache-config-exporter"
 
 
 def _guarded(
-    app: FastAPI, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
+    app: Starlette, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
 ) -> frozenset[str] | None:
     """Every refusal answered through the one table (and counted by ``reject``, for ingest, where there is
     ingest), the request guard at the door and the web config's headers on every answer; returns the Host names
@@ -104,37 +99,41 @@ def _guarded(
     return allowed_hosts
 
 
+def _served(settings: Settings, endpoints: Sequence[Endpoint], metrics: Handler) -> tuple[Endpoint, ...]:
+    """``endpoints``, then ``metrics`` at ``--web.telemetry-path``."""
+    telemetry = Endpoint(settings.telemetry_path, ("GET",), Access.READ, metrics, answers=EXPOSITION_MEDIA_TYPES)
+    return (*endpoints, telemetry)
+
+
 def _serving(
     settings: Settings,
     credentials: Credentials,
-    endpoints: Sequence[Endpoint],
-    metrics: Callable[[Request], Awaitable[Response]],
-    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    served: Sequence[Endpoint],
+    parts: object,
+    lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]] | None = None,
     reject: Callable[[str], None] | None = None,
-) -> tuple[FastAPI, frozenset[str] | None]:
-    """An app serving ``endpoints``, then ``metrics`` at ``--web.telemetry-path``, documented by them and guarded
-    (``_guarded``); and the Host names it serves besides loopback ones."""
-    # /docs is rendered here (exporter/server/pages.py): Swagger UI would load its scripts from a CDN.
-    app = FastAPI(
-        title="cache-config-exporter", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-        **_WITHOUT_TELEMETRY,
-    )  # fmt: skip
-    served = (*endpoints, Endpoint(settings.telemetry_path, ("GET",), metrics, answers=EXPOSITION_MEDIA_TYPES))
-    document = openapi_document(app.title, app.version, served)
-    app.openapi = lambda: document  # type: ignore[method-assign]  # FastAPI's documented way to replace it
-    for endpoint in served:
-        app.add_route(endpoint.path, endpoint.handler, list(endpoint.methods), include_in_schema=False)
-    return app, _guarded(app, settings, credentials, reject)
+) -> tuple[Starlette, dict[Endpoint, Callable[[Request], Awaitable[Response]]], frozenset[str] | None]:
+    """An app serving ``served``, each handler given ``parts`` behind its declared access (``bound``), and
+    guarded (``_guarded``); each declaration's ASGI endpoint, and the Host names it serves besides loopback ones.
+
+    A Starlette app: the exporter takes nothing of FastAPI's (docs/architecture.md, The HTTP edge)."""
+    app = Starlette(lifespan=lifespan)
+    routes = {endpoint: bound(endpoint, parts, credentials) for endpoint in served}
+    for endpoint, route in routes.items():
+        app.add_route(endpoint.path, route, list(endpoint.methods), include_in_schema=False)
+    return app, routes, _guarded(app, settings, credentials, reject)
 
 
-def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> FastAPI:
+def _probe_only_app(settings: Settings, registry: CollectorRegistry, credentials: Credentials) -> Starlette:
     """``serve --probe.only``: /probe, the exporter's own metrics and health; no ingest routes and no store, so
     it needs neither an ingest token nor a writable file system."""
     register_own_metrics(registry)
     registry.register(credentials)  # the reload state of the access files
-    prober = Prober(settings, settings.base_labels(), registry)
-    app, _ = _serving(settings, credentials, PROBE_ONLY_ENDPOINTS, get_own_metrics)
-    app.state.exporter = ProbeOnly(credentials, prober, registry)
+    served = _served(settings, PROBE_ONLY_ENDPOINTS, get_own_metrics)
+    document = openapi_document(TITLE, __version__, served)
+    parts = ProbeOnly(Prober(settings, settings.base_labels(), registry), document, registry)
+    app, _, _ = _serving(settings, credentials, served, parts)
+    app.state.exporter = parts
     app.state.quick_heartbeats = None  # no heartbeats to hear
     return app
 
@@ -143,7 +142,7 @@ def create_app(
     settings: Settings,
     registry: CollectorRegistry | None = None,
     clock: Callable[[], float] = time.time,
-) -> FastAPI:
+) -> Starlette:
     """Build the exporter app with its own store, state, credentials and metrics registry; with ``--probe.only``
     one that opens no store (``_probe_only_app``)."""
     registry = registry if registry is not None else CollectorRegistry()
@@ -174,29 +173,32 @@ def create_app(
     prober = Prober(settings, base_labels, registry)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
         await run_in_threadpool(state.close)
         store.close()
 
-    app, allowed_hosts = _serving(settings, credentials, ENDPOINTS, get_metrics, lifespan, telemetry.reject)
     status = StatusPage(state, settings.telemetry_path, clock)
-    app.state.exporter = Exporter(
-        credentials, prober, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,
+    served = _served(settings, ENDPOINTS, get_metrics)
+    document = openapi_document(TITLE, __version__, served)
+    parts = Exporter(
+        prober, document, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,
         settings.workers > 1,
     )  # fmt: skip
+    app, routes, allowed_hosts = _serving(settings, credentials, served, parts, lifespan, telemetry.reject)
+    app.state.exporter = parts
     # With a shared store a heartbeat is a commit, which only the app awaits.
-    app.state.quick_heartbeats = (
-        QuickHeartbeats(
-            app, post_heartbeat, hear_heartbeat, allowed_hosts, lambda: response_headers(credentials.web_config)
+    quick_heartbeats = None
+    if settings.workers == 1:
+        headers = functools.partial(response_headers, credentials.web_config)
+        quick_heartbeats = QuickHeartbeats(
+            app, routes[HEARTBEAT], HEARTBEAT, parts, credentials, hear_heartbeat, allowed_hosts, headers
         )
-        if settings.workers == 1
-        else None
-    )
+    app.state.quick_heartbeats = quick_heartbeats
     return app
 
 
-def create_app_from_environment() -> FastAPI:
+def create_app_from_environment() -> Starlette:
     """The app of one worker process of ``serve --web.workers N``: settings come from the parent."""
     freeze_survivors()
     return create_app(Settings.from_environment())

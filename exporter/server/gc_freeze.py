@@ -11,7 +11,7 @@ closed had the collector find 1,156 unreachable objects in all (docs/PERFORMANCE
 So after each full collection its survivors are frozen (``gc.freeze``: out of the collector's reach, still freed by
 reference counting), and the next one examines only the objects that came after them. What freezing can keep is
 garbage in cycles among frozen objects, which only a complete collection frees. Frozen objects die where
-connections close, and a closing connection drops its protocol's cycles (``exporter/server/pipelining.py``): then
+connections close, and a closing connection drops its protocol's cycles (``exporter/server/uvicorn_adapter.py``): then
 reference counting frees it. Still, all are thawed, and the next full collection examines everything:
 
 - as soon as as many connections closed as were open at the last complete collection: a turnover of the

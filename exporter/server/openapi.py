@@ -1,31 +1,16 @@
-"""The OpenAPI document of the routes, written from their declarations: each handler's docstring and the
-msgspec Struct of its query parameters (the same schema that validates them). The declaration (``Endpoint``)
-is defined here, so that ``exporter/server/routes.py`` imports this module and not the other way round."""
+"""The OpenAPI document of the routes, written from their declarations (``Endpoint``,
+``exporter/server/endpoints.py``): each handler's docstring and the msgspec Struct of its query parameters (the
+same schema that validates them)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
 
-
-class Endpoint(NamedTuple):
-    """A route, and what the OpenAPI document says of it."""
-
-    path: str
-    methods: tuple[str, ...]
-    handler: Callable[[Request], Awaitable[Response]]
-    query: type[msgspec.Struct] | None = None
-    body: tuple[str, ...] = ()
-    status: int = 200
-    documented: bool = True
-    # The media types of its successful answers (none for a 204).
-    answers: tuple[str, ...] = ("application/json",)
-
+from exporter.server.endpoints import Endpoint
 
 _PATH_PARAMETER = re.compile(r"\{(\w+)(?::\w+)?\}")
 # reStructuredText's inline literal (the docstrings'), as CommonMark (OpenAPI's) writes it.

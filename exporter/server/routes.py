@@ -1,7 +1,9 @@
-"""The HTTP routes: thin handlers that turn a request into a change of the state, or a read of it.
+"""The HTTP routes: the endpoint table, and thin handlers that turn a request into a change of the state, or a
+read of it.
 
-Each handler checks access, parses its query into a msgspec Struct (the
-schema of its parameters, also the source of the OpenAPI document), hands the
+Each route's declaration in ``ENDPOINTS`` names its access and its query's msgspec Struct (the schema of its
+parameters, also the source of the OpenAPI document); ``exporter/server/endpoints.py`` grants the access and
+parses the query before the handler runs, and hands it the typed parts it works with. A handler hands the
 decoded body to the state and awaits the commit. Refusals are raised as errors
 and answered by ``exporter/server/problems.py``'s table. Nothing blocking runs on the
 event loop: commits happen on the writer thread, renders in the thread pool.
@@ -17,30 +19,26 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
-from exporter.config.allowlist import Target, TargetForbidden
+from exporter.config.allowlist import ProbeTarget, TargetForbidden
 from exporter.errors import Forbidden, InvalidRequest, NotFound, StorageUnavailable
 from exporter.exposition.formats import OPENMETRICS, TEXT, accepts_gzip
 from exporter.exposition.listing import DeploymentListing
 from exporter.exposition.rendering import Exposition
 from exporter.exposition.telemetry import Telemetry
-from exporter.exposition.views import ReplicaView, encode_view, view
+from exporter.exposition.views import encode_view
 from exporter.probe.prober import Prober
-from exporter.security.auth import Credentials
 from exporter.server.chunked import ChunkedBody
-from exporter.server.openapi import Endpoint
+from exporter.server.endpoints import Access, Endpoint
+from exporter.server.ingest_arrays import engine_of, ingest_array, is_array, items_of
 from exporter.server.pages import StatusPage, api_reference
-from exporter.server.problems import Problem, problem_for, problem_response
 from exporter.server.queries import (
     LABELS_MEDIA_TYPES,
     MAX_PAGE,
-    MAX_READY_BATCH,
-    MSGPACK_ARRAY,
     READY_MEDIA_TYPES,
     EnginePath,
     GoodbyeQuery,
@@ -51,36 +49,29 @@ from exporter.server.queries import (
     ReadyQuery,
     ReplicaQuery,
     deployment_of,
-    item_decoders,
-    parse_query,
     parsed,
     wire_format_of,
 )
-from exporter.state.changes import EngineReady, ReadyOutcome
 from exporter.state.exporter_state import ExporterState
 from exporter.state.replicas import Replica, ReplicaKey
 from protocol import (
-    EngineCoreReadyResponse,
-    InvalidPayload,
-    MalformedPayload,
-    check_engine_index,
     decode_ready_response,
     decode_static_labels,
 )
-from protocol.ready_response import MSGPACK
 
 
 @dataclass(frozen=True)
 class Probing:
-    """What ``/probe`` works with, in every app (``app.state.exporter``), a probe-only one's too."""
+    """What ``/probe`` and the API's reference work with, in every app, a probe-only one's too."""
 
-    credentials: Credentials
     prober: Prober
+    # The OpenAPI document of the routes served (``exporter/server/openapi.py``).
+    api_document: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Exporter(Probing):
-    """What the handlers of an exporter that ingests and stores work with (``app.state.exporter``)."""
+    """What the handlers of an exporter that ingests and stores work with."""
 
     state: ExporterState
     telemetry: Telemetry
@@ -97,16 +88,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def _probing(request: Request) -> Probing:
-    probing: Probing = request.app.state.exporter
-    return probing
-
-
-def _exporter(request: Request) -> Exporter:
-    exporter: Exporter = request.app.state.exporter
-    return exporter
-
-
 async def _committed(future: Future[Any]) -> Any:
     """Wait for a queued change to be committed (or refused) without blocking the event loop."""
     return await asyncio.wrap_future(future)
@@ -121,18 +102,15 @@ async def _shown(replica: Replica) -> Response:
     return _json(await run_in_threadpool(encode_view, replica))
 
 
-async def _current(request: Request) -> Exporter:
-    """Access check for reads, then catch up with other workers' commits, or with the heartbeats answered.
+async def _catch_up(exporter: Exporter) -> None:
+    """Before a read: catch up with other workers' commits, or with the heartbeats answered.
 
     While the store cannot be read (locked), reads serve this worker's last good state.
     """
-    exporter = _exporter(request)
-    await exporter.credentials.require_reader(request)
     caught_up = exporter.state.refresh() if exporter.shared_store else exporter.state.settled()
     if caught_up is not None:
         with suppress(StorageUnavailable):
             await asyncio.wrap_future(caught_up)
-    return exporter
 
 
 def _unknown_deployment(name: str) -> NotFound:
@@ -142,135 +120,49 @@ def _unknown_deployment(name: str) -> NotFound:
 # Handlers ----------------------------------------------------------------------------------
 
 
-async def post_ready(request: Request) -> Response:
+async def post_ready(request: Request, exporter: Exporter, query: ReadyQuery) -> Response:
     """Ingest one engine's ready response, or an array of one replica's engines' responses in one commit."""
-    exporter = _exporter(request)
-    exporter.credentials.require_ingest(request)
-    query = parse_query(request, ReadyQuery)
     key = (deployment_of(request), query.replica)
     wire_format = wire_format_of(request, READY_MEDIA_TYPES)
     payload = await request.body()
-    if _is_array(payload, wire_format):
+    if is_array(payload, wire_format):
         if query.engine is not None:
             raise InvalidRequest("query.engine", "in an array each ready response's data_parallel_rank is its engine")
-        return await _post_ready_many(request, exporter, key, _items(payload, wire_format), wire_format, query)
+        items = items_of(payload, wire_format)
+        return await ingest_array(
+            request, exporter.state, exporter.telemetry.reject, key, items, wire_format, query.heartbeat
+        )
     response = decode_ready_response(payload, wire_format)
-    index = _engine(query.engine, response)
+    index = engine_of(query.engine, response)
     change = exporter.state.apply_ready(key, index, response, payload, wire_format, query.heartbeat)
     return await _shown(await _committed(change))
 
 
-def _engine(given: int | None, response: EngineCoreReadyResponse) -> int:
-    """The engine index of a response: ``?engine=``, else its ``data_parallel_rank``, else 0; checked against it."""
-    rank = response.data_parallel_rank
-    index = given if given is not None else rank if isinstance(rank, int) else 0
-    check_engine_index(index, response)
-    return index
-
-
-def _is_array(payload: bytes, wire_format: str) -> bool:
-    if wire_format == MSGPACK:
-        return payload[:1] != b"" and payload[0] in MSGPACK_ARRAY
-    return payload.lstrip(b" \t\r\n")[:1] == b"["
-
-
-def _items(payload: bytes, wire_format: str) -> list[bytes]:
-    """The ready responses of an array, each as its own bytes (checked one by one afterwards)."""
-    try:
-        items = item_decoders[wire_format].decode(payload)
-    except msgspec.DecodeError as error:
-        raise InvalidPayload.from_msgspec(error) from None
-    except RecursionError:
-        raise MalformedPayload("$", "nested too deeply") from None
-    if not 1 <= len(items) <= MAX_READY_BATCH:
-        raise InvalidPayload("$", f"an array holds 1 to {MAX_READY_BATCH} ready responses, not {len(items)}")
-    return [bytes(item) for item in items]
-
-
-class ReadyManyAnswer(msgspec.Struct):
-    """The answer to several ready responses of which some were taken: the replica as committed, and each
-    refused response's problem, with its ``index`` in the array."""
-
-    replica: ReplicaView
-    refused: list[dict[str, Any]]
-
-
-async def _post_ready_many(
-    request: Request, exporter: Exporter, key: ReplicaKey, items: list[bytes], wire_format: str, query: ReadyQuery
-) -> Response:
-    """Each response checked alone, the accepted ones committed together; a refused one is named by its ``index``.
-
-    Some taken: 200 with the replica and the refusals. None taken: the first refusal's problem, with all of them.
-    """
-    reports, refused, places = [], {}, {}
-    for index, item in enumerate(items):
-        try:
-            response = decode_ready_response(item, wire_format)
-            report = EngineReady(_engine(None, response), response, item, wire_format)
-        except InvalidPayload as error:
-            refused[index] = error
-            continue
-        reports.append(report)
-        places[report.engine] = index
-    outcome = ReadyOutcome(None, {})
-    if reports:
-        outcome = await _committed(exporter.state.apply_ready_many(key, reports, query.heartbeat))
-    refused.update((places[engine], error) for engine, error in outcome.refused.items())
-    problems = [_item_problem(request, index, error) for index, error in sorted(refused.items())]
-    for problem in problems:
-        exporter.telemetry.reject(problem["reason"])
-        del problem["reason"]
-    if len(refused) < len(items) and outcome.replica is not None:
-        return _json(msgspec.json.encode(ReadyManyAnswer(view(outcome.replica), problems)))
-    first = problems[0]
-    body = msgspec.json.encode(
-        {**{name: value for name, value in first.items() if name != "index"}, "refused": problems}
-    )
-    return Response(body, first["status"], media_type="application/problem+json")
-
-
-def _item_problem(request: Request, index: int, error: Exception) -> dict[str, Any]:
-    """The problem of the ``index``-th response of an array, its field as a path into the array."""
-    problem = problem_for(error)
-    field = problem.field
-    if field is not None and field.startswith("$"):
-        field = f"$[{index}]{field[1:]}"
-    named = Problem(problem.status, problem.title, problem.detail, field, problem.reason)
-    return {**msgspec.json.decode(problem_response(request, named).body), "index": index, "reason": problem.reason}
-
-
-async def put_cache_config(request: Request) -> Response:
+async def put_cache_config(request: Request, exporter: Exporter, query: LabelsQuery) -> Response:
     """Set a replica's static labels: its frontend's ``CacheConfig.metrics_info()``."""
-    exporter = _exporter(request)
-    exporter.credentials.require_ingest(request)
-    query = parse_query(request, LabelsQuery)
     key = (deployment_of(request), query.replica)
     wire_format_of(request, LABELS_MEDIA_TYPES)
     labels = decode_static_labels(await request.body())
     return await _shown(await _committed(exporter.state.set_static_labels(key, labels, query.heartbeat)))
 
 
-def hear_heartbeat(request: Request) -> Future[object] | None:
-    """A heartbeat's checks and its change, without waiting for a commit: the route's, and run as they are
-    beneath the app by ``exporter/server/quick_heartbeats.py``. ``None`` when heard at once (a single process)."""
-    exporter = _exporter(request)
-    exporter.credentials.require_ingest(request)
-    query = parse_query(request, HeartbeatQuery)
+def hear_heartbeat(request: Request, exporter: Exporter, query: HeartbeatQuery) -> Future[object] | None:
+    """A heartbeat's change, without waiting for a commit: the route's, and run as it is beneath the app by
+    ``exporter/server/quick_heartbeats.py``. ``None`` when heard at once (a single process)."""
     return exporter.state.heartbeat((deployment_of(request), query.replica), query.interval)
 
 
-async def post_heartbeat(request: Request) -> Response:
+async def post_heartbeat(request: Request, exporter: Exporter, query: HeartbeatQuery) -> Response:
     """A replica is alive: its series stay until it misses several heartbeats."""
-    committed = hear_heartbeat(request)
+    committed = hear_heartbeat(request, exporter, query)
     if committed is not None:
         await _committed(committed)
     return Response(status_code=204)
 
 
-async def list_deployments(request: Request) -> Response:
+async def list_deployments(request: Request, exporter: Exporter, query: ListQuery) -> Response:
     """Every replica's synced state, by deployment; paged with ``limit`` and ``after``."""
-    exporter = await _current(request)
-    query = parse_query(request, ListQuery)
+    await _catch_up(exporter)
     listing = exporter.listing
     if query.deployment is not None:  # at most --limits.replicas-per-deployment of them, each encoded once
         part = await _off_the_loop(listing, listing.replicas_of, query.deployment)
@@ -286,10 +178,10 @@ async def list_deployments(request: Request) -> Response:
     return ChunkedBody(chunks, "application/json", headers)
 
 
-async def get_deployment(request: Request) -> Response:
+async def get_deployment(request: Request, exporter: Exporter, query: ReplicaQuery) -> Response:
     """The synced state of one replica of a deployment."""
-    exporter = await _current(request)
-    key = (deployment_of(request), parse_query(request, ReplicaQuery).replica)
+    await _catch_up(exporter)
+    key = (deployment_of(request), query.replica)
     part = await _off_the_loop(exporter.listing, exporter.listing.replica, key)
     if part is None:  # no such replica (NotFound), or one that came after the listing's version
         return await _shown(_found(exporter.state, key))
@@ -311,23 +203,19 @@ def _found(state: ExporterState, key: ReplicaKey) -> Replica:
     return replica
 
 
-async def delete_engine(request: Request) -> Response:
+async def delete_engine(request: Request, exporter: Exporter, query: ReplicaQuery) -> Response:
     """Forget one engine of a replica."""
-    exporter = _exporter(request)
-    exporter.credentials.require_ingest(request)
     engine = parsed(dict(request.path_params), EnginePath, "path").engine
-    deployment, replica = deployment_of(request), parse_query(request, ReplicaQuery).replica
+    deployment, replica = deployment_of(request), query.replica
     result = await _committed(exporter.state.delete_engine((deployment, replica), engine))
     if result is None:
         raise NotFound("engine", f"replica {replica!r} of {deployment!r} has no engine {engine}")
     return await _shown(result)
 
 
-async def delete_deployment(request: Request) -> Response:
+async def delete_deployment(request: Request, exporter: Exporter, query: GoodbyeQuery) -> Response:
     """Forget a deployment, or with ``?replica=`` one replica (a sender's goodbye)."""
-    exporter = _exporter(request)
-    exporter.credentials.require_ingest(request)
-    deployment, replica = deployment_of(request), parse_query(request, GoodbyeQuery).replica
+    deployment, replica = deployment_of(request), query.replica
     if replica is None:
         if not await _committed(exporter.state.delete_deployment(deployment)):
             raise _unknown_deployment(deployment)
@@ -336,9 +224,9 @@ async def delete_deployment(request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def get_metrics(request: Request) -> Response:
+async def get_metrics(request: Request, exporter: Exporter, _: None) -> Response:
     """The exposition, in the negotiated format, gzip-compressed when the client takes it."""
-    exporter = await _current(request)
+    await _catch_up(exporter)
     accept = request.headers.get("accept", "")
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
     exposition = exporter.exposition
@@ -369,13 +257,10 @@ def _scrape_timeout(request: Request) -> float | None:
     return seconds
 
 
-async def get_probe(request: Request) -> Response:
+async def get_probe(request: Request, exporter: Probing, query: ProbeQuery) -> Response:
     """Probe a stock vLLM server's /metrics and answer its true cache config (Prometheus' multi-target pattern)."""
-    exporter = _probing(request)
-    await exporter.credentials.require_reader(request)
-    query = parse_query(request, ProbeQuery)
     try:
-        target = Target.parse(query.target)
+        target = ProbeTarget.parse(query.target)
     except ValueError as error:
         raise InvalidRequest("query.target", str(error)) from None
     prober = exporter.prober
@@ -389,51 +274,60 @@ async def get_probe(request: Request) -> Response:
     return Response(body, media_type=content_type, headers={"Vary": "Accept"})
 
 
-async def healthy(request: Request) -> Response:
+async def healthy(request: Request, exporter: Probing, _: None) -> Response:
     """Liveness: 200 while the process serves HTTP (for probes; no credentials needed)."""
     return PlainTextResponse("Healthy.\n")
 
 
-async def ready(request: Request) -> Response:
+async def ready(request: Request, exporter: Exporter, _: None) -> Response:
     """Readiness: 200 while the store commits, else 503 naming why (for probes; no credentials needed)."""
-    error = _exporter(request).state.storage_error
+    error = exporter.state.storage_error
     if error is not None:
         return PlainTextResponse(f"Not ready: storage failing: {error}\n", 503)
     return PlainTextResponse("Ready.\n")
 
 
-async def landing(request: Request) -> Response:
+async def landing(request: Request, exporter: Exporter, _: None) -> Response:
     """The status page; it shows the deployments, so it needs what reading the JSON state needs."""
-    exporter = await _current(request)
+    await _catch_up(exporter)
     page = exporter.status_page.fresh()
     if page is None:
         page = await run_in_threadpool(exporter.status_page.current)
     return HTMLResponse(page)
 
 
-async def docs(request: Request) -> Response:
+async def openapi_json(request: Request, exporter: Probing, _: None) -> Response:
+    """The OpenAPI document (``exporter/server/openapi.py``)."""
+    return JSONResponse(exporter.api_document)
+
+
+async def docs(request: Request, exporter: Probing, _: None) -> Response:
     """The API reference: this document's operations, without Swagger UI's scripts from a CDN."""
-    return HTMLResponse(api_reference(request.app.openapi()))
+    return HTMLResponse(api_reference(exporter.api_document))
 
 
 DEPLOYMENT = "/api/v1/deployments/{deployment:name}"
 # In matching order: a deployment name may hold slashes, so its longer paths come first.
 # What /metrics and /probe answer, negotiated by Accept (exporter/exposition/rendering.py).
 EXPOSITION_MEDIA_TYPES = (TEXT.content_type, OPENMETRICS.content_type)
+OPEN, READ, INGEST = Access.OPEN, Access.READ, Access.INGEST
+READY, LABELS = tuple(READY_MEDIA_TYPES), tuple(LABELS_MEDIA_TYPES)
+HEARTBEAT = Endpoint(f"{DEPLOYMENT}/heartbeat", ("POST",), INGEST, post_heartbeat, HeartbeatQuery, status=204)
 ENDPOINTS = (
-    Endpoint("/api/v1/ready", ("POST",), post_ready, ReadyQuery, tuple(READY_MEDIA_TYPES)),
-    Endpoint(f"{DEPLOYMENT}/ready", ("POST",), post_ready, ReadyQuery, tuple(READY_MEDIA_TYPES)),
-    Endpoint(f"{DEPLOYMENT}/cache-config", ("PUT",), put_cache_config, LabelsQuery, tuple(LABELS_MEDIA_TYPES)),
-    Endpoint(f"{DEPLOYMENT}/heartbeat", ("POST",), post_heartbeat, HeartbeatQuery, status=204),
-    Endpoint(f"{DEPLOYMENT}/engines/{{engine}}", ("DELETE",), delete_engine, ReplicaQuery),
-    Endpoint("/api/v1/deployments", ("GET",), list_deployments, ListQuery),
-    Endpoint(DEPLOYMENT, ("GET",), get_deployment, ReplicaQuery),
-    Endpoint(DEPLOYMENT, ("DELETE",), delete_deployment, GoodbyeQuery, status=204),
-    Endpoint("/probe", ("GET",), get_probe, ProbeQuery, answers=(*EXPOSITION_MEDIA_TYPES, "text/plain")),
-    Endpoint("/-/healthy", ("GET",), healthy, answers=("text/plain",)),
-    Endpoint("/-/ready", ("GET",), ready, answers=("text/plain",)),
-    Endpoint("/", ("GET",), landing, documented=False),
-    Endpoint("/docs", ("GET",), docs, documented=False),
+    Endpoint("/api/v1/ready", ("POST",), INGEST, post_ready, ReadyQuery, READY),
+    Endpoint(f"{DEPLOYMENT}/ready", ("POST",), INGEST, post_ready, ReadyQuery, READY),
+    Endpoint(f"{DEPLOYMENT}/cache-config", ("PUT",), INGEST, put_cache_config, LabelsQuery, LABELS),
+    HEARTBEAT,
+    Endpoint(f"{DEPLOYMENT}/engines/{{engine}}", ("DELETE",), INGEST, delete_engine, ReplicaQuery),
+    Endpoint("/api/v1/deployments", ("GET",), READ, list_deployments, ListQuery),
+    Endpoint(DEPLOYMENT, ("GET",), READ, get_deployment, ReplicaQuery),
+    Endpoint(DEPLOYMENT, ("DELETE",), INGEST, delete_deployment, GoodbyeQuery, status=204),
+    Endpoint("/probe", ("GET",), READ, get_probe, ProbeQuery, answers=(*EXPOSITION_MEDIA_TYPES, "text/plain")),
+    Endpoint("/-/healthy", ("GET",), OPEN, healthy, answers=("text/plain",)),
+    Endpoint("/-/ready", ("GET",), OPEN, ready, answers=("text/plain",)),
+    Endpoint("/", ("GET",), READ, landing, documented=False),
+    Endpoint("/docs", ("GET",), OPEN, docs, documented=False),
+    Endpoint("/openapi.json", ("GET",), OPEN, openapi_json, documented=False),
 )
 
 

@@ -19,35 +19,33 @@ from starlette.responses import PlainTextResponse, Response
 from exporter.config.settings import flag_of
 from exporter.errors import NotFound
 from exporter.exposition.formats import negotiate
-from exporter.server.openapi import Endpoint
+from exporter.server.endpoints import Access, Endpoint
 from exporter.server.routes import ENDPOINTS, Probing, docs
 
 # The exporter's routes that need no state: they stay, as they are.
-_STATELESS_PATHS = ("/probe", "/-/healthy", "/docs")
+_STATELESS_PATHS = ("/probe", "/-/healthy", "/docs", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ProbeOnly(Probing):
-    """What a probe-only app's handlers work with (``app.state.exporter``): its own metrics' registry besides."""
+    """What a probe-only app's handlers work with: its own metrics' registry besides the prober."""
 
     registry: CollectorRegistry
 
 
-async def get_own_metrics(request: Request) -> Response:
+async def get_own_metrics(request: Request, exporter: ProbeOnly, _: None) -> Response:
     """The exporter's own metrics: its probes by result, the process and the build (it keeps no cache config)."""
-    exporter: ProbeOnly = request.app.state.exporter
-    await exporter.credentials.require_reader(request)
     served = negotiate(request.headers.get("accept", ""))
     body = await run_in_threadpool(served.render, exporter.registry)  # the process metrics read /proc
     return Response(body, media_type=served.content_type, headers={"Vary": "Accept"})
 
 
-async def ready_to_probe(request: Request) -> Response:
+async def ready_to_probe(request: Request, exporter: ProbeOnly, _: None) -> Response:
     """Readiness: 200 once it serves, as it waits for no store (for probes; no credentials needed)."""
     return PlainTextResponse("Ready.\n")
 
 
-async def not_kept_here(request: Request) -> Response:
+async def not_kept_here(request: Request, exporter: ProbeOnly, _: object) -> Response:
     """Ingest and the stored state: a probe-only exporter has neither."""
     raise NotFound(
         None, f"this exporter runs with {flag_of('probe_only')}: it takes no ready responses, keeps no state"
@@ -56,10 +54,10 @@ async def not_kept_here(request: Request) -> Response:
 
 PROBE_ONLY_ENDPOINTS = (
     *(endpoint for endpoint in ENDPOINTS if endpoint.path in _STATELESS_PATHS),
-    Endpoint("/-/ready", ("GET",), ready_to_probe, answers=("text/plain",)),
-    Endpoint("/", ("GET",), docs, documented=False),
+    Endpoint("/-/ready", ("GET",), Access.OPEN, ready_to_probe, answers=("text/plain",)),
+    Endpoint("/", ("GET",), Access.OPEN, docs, documented=False),
     *(
-        endpoint._replace(handler=not_kept_here, documented=False)
+        endpoint._replace(access=Access.OPEN, handler=not_kept_here, query=None, documented=False)
         for endpoint in ENDPOINTS
         if endpoint.path.startswith("/api/")
     ),

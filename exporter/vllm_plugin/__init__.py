@@ -1,8 +1,9 @@
 """The vLLM general plugin: the code that runs inside vLLM's processes (the frontend and the engine cores).
 
 It adds the engine core's KV-cache groups to its ready response, and sends ready responses, static labels,
-heartbeats and goodbyes to the exporters. It imports the standard library, msgspec and ``protocol`` only:
-nothing of the server, no web or metrics library (vLLM's processes must not pay for them).
+heartbeats and goodbyes to the exporters. It imports the standard library, msgspec, ``protocol`` and the
+package's version (``exporter.__version__``) only: nothing of the server, no web or metrics library (vLLM's
+processes must not pay for them).
 ``register`` is the entry point vLLM calls (``vllm.general_plugins``).
 """
 

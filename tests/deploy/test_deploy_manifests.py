@@ -330,7 +330,7 @@ def test_the_unit_environment_starts_an_exporter(
 
 def test_the_service_monitor_relabels_as_the_readme_join_says() -> None:
     """The Operator's spelling of the metric_relabel_configs of docs/metrics.md (run in a real Prometheus by
-    tests/test_stock_vllm.py): instance becomes the vLLM server, the exporter's address stays in exporter."""
+    tests/probe/test_stock_vllm.py): instance becomes the vLLM server, the exporter's address stays in exporter."""
     section = METRICS_PAGE.split("\n## Joining vLLM's own series\n", 1)[1].split("\n## ", 1)[0]
     (config,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
     (job,) = [job for job in yaml.safe_load(config)["scrape_configs"] if job["job_name"] == "cache-config-exporter"]

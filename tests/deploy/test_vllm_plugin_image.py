@@ -2,8 +2,8 @@
 Kubernetes init container (deploy/kubernetes/examples/vllm.yaml), or layered on with the Dockerfile of docs/vllm.md.
 
 Built offline as docs/deployment.md's "Building offline" does, on the base image of docker/make-base-image.sh (skipped
-where it was never made: tests/test_docker_image.py makes it); the layer recipe of docs/vllm.md is built on that base in
-place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
+where it was never made: tests/deploy/test_docker_image.py makes it); the layer recipe of docs/vllm.md is built on
+that base in place of vLLM's image, which only adds the folder and PYTHONPATH to whatever image it names.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_the_image_holds_the_plugin_for_stock_vllm_images(
     tmp_path: Path,
 ) -> None:
     if subprocess.run([docker, "image", "inspect", BASE_IMAGE], capture_output=True, check=False).returncode:
-        message = f"{BASE_IMAGE} was never made (docker/make-base-image.sh; tests/test_docker_image.py makes it)"
+        message = f"{BASE_IMAGE} was never made (docker/make-base-image.sh; tests/deploy/test_docker_image.py makes it)"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)

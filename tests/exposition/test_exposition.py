@@ -10,7 +10,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.metrics_core import Metric
@@ -18,6 +17,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
+from starlette.testclient import TestClient
 
 from exporter.exposition import lines as line_cache
 from exporter.exposition import rendering as exposition

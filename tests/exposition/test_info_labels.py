@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.exposition.series import IDENTITY, LABEL_PRESETS
 from protocol import releases

@@ -8,9 +8,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.testclient import TestClient
 
 from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, request

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.vllm_plugin import engine_groups as vllm_engine_groups
 from protocol import KV_CACHE_GROUPS_KEY, KVCacheGroup, KVCacheGroups, decode_ready_response, spec_kind

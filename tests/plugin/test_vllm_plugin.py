@@ -3,7 +3,7 @@
 By default the tests import the stand-in ``vllm`` package (tests/vllm_standin), a
 copy of vLLM 0.32.0's module paths, names, signatures and method bodies.
 With ``CACHE_CONFIG_EXPORTER_TEST_REAL_VLLM=1`` they import the installed vLLM
-instead; ``tests/test_real_vllm.py`` runs them so with a real vLLM, so that every
+instead; ``tests/real_vllm/test_real_vllm.py`` runs them so with a real vLLM, so that every
 test here holds for the real package too.
 
 Each test gets a pristine ``MPClient._apply_ready_response`` and ``MPClient.shutdown`` (and ``MAIN_PROCESS_METHODS``);

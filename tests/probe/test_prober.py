@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from tests.helpers.exposition import info_labels
 from tests.probe.test_probe import (  # noqa: F401  (serve_target: a fixture)

@@ -1,7 +1,7 @@
 """A stock vLLM install that never had this package: the plugin comes from a folder on ``PYTHONPATH`` (as an init
 container fills a shared volume), and a real Prometheus joins vLLM's own series with the true capacity.
 
-The stock install is the real-vLLM venv of tests/test_real_vllm.py without this project: a venv whose
+The stock install is the real-vLLM venv of tests/real_vllm/test_real_vllm.py without this project: a venv whose
 site-packages links every entry of that venv's but the project's own, so vLLM, torch and the rest are the same
 files and only the plugin is missing. The recipe of docs/vllm.md puts the wheel into a folder with ``pip install
 --target``; vLLM, started with that folder on ``PYTHONPATH``, finds the plugin by its entry point, and Prometheus,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from protocol import decode_ready_response, encode_ready_response, release_of, releases
 from protocol.releases import Release, version_key

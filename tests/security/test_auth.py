@@ -7,7 +7,7 @@ import base64
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.security.auth import Unauthorized
 from exporter.security.bcrypt_checks import AuthenticationBusy

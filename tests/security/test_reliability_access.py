@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from tests.helpers.figures import record
 from tests.helpers.http import MSGPACK, Reply, request

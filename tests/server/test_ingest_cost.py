@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from protocol import ready_response
 from tests.helpers.http import MSGPACK

@@ -1,6 +1,6 @@
 """The status page and /docs in a real headless Chromium with JavaScript off: vLLM's own wrong figure beside the
 true block size; every operation with its parameters, what it takes and what it answers, as text a person reads
-(no reStructuredText markup). The browser machinery is tests/test_status_page.py's."""
+(no reStructuredText markup). The browser machinery is tests/server/test_status_page.py's."""
 
 from __future__ import annotations
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
-from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol, QuickHeartbeats
+from exporter.server.quick_heartbeats import QuickHeartbeats
+from exporter.server.uvicorn_adapter import HeartbeatAnsweringProtocol
 from tests.helpers.http import MSGPACK, request
 from tests.helpers.ready_responses import BULKY_STATIC_CONFIG
 from tests.support import fixture_bytes, free_port, wait_until
@@ -37,7 +38,7 @@ class Server:
     """``create_app(settings)`` served by uvicorn with the exporter's protocol on a free loopback port."""
 
     def __init__(self, settings: Settings, quick: bool = True, access_log: bool = False) -> None:
-        self.app: FastAPI = create_app(settings, registry=CollectorRegistry())
+        self.app: Starlette = create_app(settings, registry=CollectorRegistry())
         self.heartbeats: QuickHeartbeats = self.app.state.quick_heartbeats
         self.port = free_port()
         protocol = HeartbeatAnsweringProtocol.configured(

@@ -21,9 +21,9 @@ from urllib.parse import quote
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
 
 from protocol import releases
 from tests.helpers.exposition import OPENMETRICS, cache_config_samples

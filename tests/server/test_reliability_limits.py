@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from tests.helpers.exposition import cache_config_samples
 from tests.helpers.figures import record

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.http import MSGPACK

@@ -23,7 +23,7 @@ from uvicorn.server import ServerState
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app
-from exporter.server.quick_heartbeats import HeartbeatAnsweringProtocol
+from exporter.server.uvicorn_adapter import HeartbeatAnsweringProtocol
 from protocol import decode_ready_response
 from tests.helpers.figures import record
 from tests.helpers.health import health_latency

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
 from playwright.sync_api import Page, sync_playwright
 from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
 
 from exporter.config.settings import Settings
 from exporter.server.app import create_app

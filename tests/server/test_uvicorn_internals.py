@@ -1,13 +1,16 @@
 """The uvicorn internals the server builds on, checked against the installed uvicorn.
 
-``exporter/server/request_guard.py`` and ``pipelining.py`` subclass uvicorn's httptools protocol,
-``quick_heartbeats.py`` answers on its ``RequestResponseCycle``, and ``cli.py`` passes uvicorn its settings. None of
-that is uvicorn's public API, so pyproject.toml pins the releases tested; a release that changes a method, its
-parameters or an attribute relied on fails here, naming itself, rather than in a fleet.
+``exporter/server/uvicorn_adapter.py`` alone reaches into uvicorn's non-public code (it subclasses its httptools
+protocol and flow control, and answers heartbeats on its ``RequestResponseCycle``), and its docstring lists each
+name it relies on; ``cli.py`` passes ``uvicorn.run`` its settings. None of the adapter's names are uvicorn's public
+API, so pyproject.toml pins the releases tested; a release that changes a method, its parameters or an attribute
+relied on fails here, naming itself, rather than in a fleet; and a name the adapter uses without listing it fails
+here too.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import socket
@@ -30,6 +33,11 @@ from tests.support import free_port, wait_until
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 README = PYPROJECT.with_name("README.md")
+EXPORTER = PYPROJECT.with_name("exporter")
+ADAPTER = EXPORTER / "server" / "uvicorn_adapter.py"
+OWNERS: dict[str, type] = {
+    "HttpToolsProtocol": HttpToolsProtocol, "RequestResponseCycle": RequestResponseCycle, "FlowControl": FlowControl,
+}  # fmt: skip
 # Methods overridden or called, and their parameters after ``self`` (``async``: awaited, so a coroutine function).
 METHODS: dict[type, dict[str, tuple[str, ...]]] = {
     HttpToolsProtocol: {
@@ -51,7 +59,7 @@ AWAITED = {(RequestResponseCycle, "send"), (FlowControl, "drain")}
 # Attributes read or set on a connection's protocol and on its request's cycle and flow control.
 PROTOCOL_ATTRIBUTES = (
     "access_log", "app", "connections", "cycle", "flow", "headers", "limit_concurrency", "logger", "loop",
-    "pipeline", "scope", "timeout_keep_alive_task", "transport",
+    "pipeline", "scope", "tasks", "timeout_keep_alive_task", "transport",
 )  # fmt: skip
 CYCLE_ATTRIBUTES = ("disconnected", "more_body", "response_complete", "scope")
 # The settings ``serve`` gives ``uvicorn.run`` (which hands them to ``uvicorn.Config``).
@@ -157,3 +165,77 @@ def test_a_connection_has_the_attributes_the_server_reads(kept_connection: Calla
     if not isinstance(getattr(getattr(protocol, "flow", None), "write_paused", None), bool):
         problems.append("the flow control has no write_paused flag")
     fail_naming_the_release(problems)
+
+
+def listed() -> set[str]:
+    """The names the adapter's docstring lists as relied on: ``Owner.name``, or a name of a uvicorn module."""
+    docstring = ast.get_docstring(ast.parse(ADAPTER.read_text())) or ""
+    return set(re.findall(r"^- ``([\w.]+)``:", docstring, re.M))
+
+
+def _uvicorn_imports(tree: ast.AST) -> set[str]:
+    """The modules of uvicorn's below its top level that ``tree`` imports from, and the names it takes."""
+    taken = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("uvicorn."):
+            taken |= {f"{node.module}:{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            taken |= {alias.name for alias in node.names if alias.name.startswith("uvicorn.")}
+    return taken
+
+
+def test_only_the_adapter_reaches_below_uvicorns_top_level() -> None:
+    reaching = sorted(
+        str(path.relative_to(EXPORTER.parent))
+        for path in EXPORTER.rglob("*.py")
+        if path != ADAPTER and _uvicorn_imports(ast.parse(path.read_text()))
+    )
+    assert not reaching, "only exporter/server/uvicorn_adapter.py may import uvicorn's modules"
+
+
+def test_every_uvicorn_name_the_adapter_uses_is_listed_in_its_docstring(
+    kept_connection: Callable[[], Any],
+) -> None:
+    """The names it imports from uvicorn's modules, and every attribute or method it reads, sets, calls or
+    overrides that uvicorn's protocol, cycle or flow control has (dunders aside), each under an owner that has it."""
+    protocol = kept_connection()
+    has = {
+        "HttpToolsProtocol": set(dir(HttpToolsProtocol)) | set(vars(protocol)),
+        "RequestResponseCycle": set(dir(RequestResponseCycle)) | set(vars(protocol.cycle)),
+        "FlowControl": set(dir(FlowControl)) | set(vars(protocol.flow)),
+    }
+    names = listed()
+    tree = ast.parse(ADAPTER.read_text())
+    missing = {taken.partition(":")[2] for taken in _uvicorn_imports(tree)} - names
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    used |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    for name in sorted(name for name in used if not name.startswith("__")):
+        owners = [owner for owner, names_of in has.items() if name in names_of]
+        if owners and not any(f"{owner}.{name}" in names for owner in owners):
+            missing.add(f"{'/'.join(owners)}.{name}")
+    assert not missing, f"exporter/server/uvicorn_adapter.py relies on names its docstring does not list: {missing}"
+
+
+def test_every_name_the_adapter_lists_is_in_the_installed_uvicorn(kept_connection: Callable[[], Any]) -> None:
+    protocol = kept_connection()
+    instances = {"HttpToolsProtocol": protocol, "RequestResponseCycle": protocol.cycle, "FlowControl": protocol.flow}
+    modules = (inspect.getmodule(HttpToolsProtocol), inspect.getmodule(FlowControl))
+    problems = []
+    for name in sorted(listed()):
+        owner, _, attribute = name.rpartition(".")
+        if not owner:
+            if not any(hasattr(module, attribute) for module in modules):
+                problems.append(f"{attribute} is gone")
+        elif not (hasattr(OWNERS[owner], attribute) or hasattr(instances[owner], attribute)):
+            problems.append(f"{name} is gone")
+    fail_naming_the_release(problems)
+
+
+def test_the_parameters_of_every_method_listed_are_checked() -> None:
+    methods = {
+        name
+        for name in listed()
+        if "." in name and inspect.isfunction(getattr(OWNERS[name.partition(".")[0]], name.partition(".")[2], None))
+    }
+    checked = {f"{owner.__name__}.{method}" for owner, names in METHODS.items() for method in names}
+    assert methods <= checked, methods - checked

@@ -1,7 +1,7 @@
 """Crash safety and graceful shutdown of the real server: nothing acknowledged is ever lost.
 
 Every client request carries a unique ``num_gpu_blocks`` and goes to an engine slot of its own, so each
-2xx answer can be looked up afterwards with its exact value. Figures: see ``tests/reliability.py``.
+2xx answer can be looked up afterwards with its exact value. Figures: see ``tests/helpers/figures.py``.
 """
 
 from __future__ import annotations

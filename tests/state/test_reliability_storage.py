@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
 
 from exporter.config.settings import Settings
 from exporter.errors import StorageUnavailable

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from exporter.state.storage import PAGE_CACHE_KIB, LastSeen, SqliteStore, StorageError, StoredReplica
 from tests.helpers.exposition import samples

@@ -1,0 +1,398 @@
+"""Every reach into uvicorn's non-public code: the exporter's HTTP/1.1 protocol, built on uvicorn's httptools one.
+
+uvicorn's public ground (``uvicorn.run``, ``uvicorn.Config``, ASGI) offers no cap on a request's head, no
+header-phase timeout, no bound on pipelined requests, no closing of an idle connection at the connection cap and
+no way to answer a request beneath the app. Those are done here, in three layers of one protocol:
+``PipelineBoundProtocol`` (pipelining bounded), ``GuardedHttpToolsProtocol`` (the head's limits and the
+connection cap) and ``HeartbeatAnsweringProtocol`` (heartbeats answered beneath the app; what it answers and how is
+decided by ``exporter/server/quick_heartbeats.py``, which knows no uvicorn). pyproject.toml pins the uvicorn
+releases tested, and ``tests/server/test_uvicorn_internals.py`` reads the list below and checks each name against
+the installed uvicorn, and that this module uses no name of uvicorn's the list leaves out.
+
+Non-public names relied on, and why:
+
+- ``HttpToolsProtocol``: subclassed, from ``uvicorn.protocols.http.httptools_impl`` (a module of no public API).
+- ``HttpToolsProtocol.__init__``: its parameters passed through, for the per-connection state.
+- ``HttpToolsProtocol.connection_made``: extended: the flow control replaced, the connection cap, the head timer.
+- ``HttpToolsProtocol.connection_lost``: extended: timers and queued requests dropped (reference cycles).
+- ``HttpToolsProtocol.data_received``: overridden to feed the parser in pieces; uvicorn's called for each piece.
+- ``HttpToolsProtocol.on_message_begin``: extended: a request's head begins.
+- ``HttpToolsProtocol.on_headers_complete``: extended: the head's limits end.
+- ``HttpToolsProtocol.on_message_complete``: extended: a waiting heartbeat is answered, the head's room renewed.
+- ``HttpToolsProtocol.on_response_complete``: extended: a read held back is fed once the queue drains.
+- ``HttpToolsProtocol._start_asgi_task``: overridden: where a heartbeat is answered instead of starting the app.
+- ``HttpToolsProtocol.timeout_keep_alive_handler``: called to close an idle connection at the connection cap.
+- ``HttpToolsProtocol.timeout_keep_alive_task``: read: set while a connection waits idle for its next request.
+- ``HttpToolsProtocol.access_log``: read: with the access log on, every request goes to the app (it logs them).
+- ``HttpToolsProtocol.app``: read: only requests to the app itself are answered beneath it.
+- ``HttpToolsProtocol.connections``: read and changed: the server's set of open connections (the cap).
+- ``HttpToolsProtocol.cycle``: read and dropped: the current request's cycle.
+- ``HttpToolsProtocol.scope``: dropped with the cycle once a heartbeat is answered.
+- ``HttpToolsProtocol.headers``: dropped with the cycle once a heartbeat is answered.
+- ``HttpToolsProtocol.flow``: replaced by ``BoundedFlow``; its ``write_paused`` read.
+- ``HttpToolsProtocol.limit_concurrency``: read: the connection cap.
+- ``HttpToolsProtocol.logger``: the server's logger, for the cap's and the refusals' warnings.
+- ``HttpToolsProtocol.loop``: timers and the end of a heartbeat's answer scheduled on it.
+- ``HttpToolsProtocol.pipeline``: read and cleared: the requests queued behind the one answered.
+- ``HttpToolsProtocol.tasks``: a heartbeat's answer waiting for the transport to drain is kept in it.
+- ``HttpToolsProtocol.transport``: written to and closed: a refusal before a request exists.
+- ``RequestResponseCycle``: the request a heartbeat is answered on.
+- ``RequestResponseCycle.send``: uvicorn's own send, driven by hand: it writes the 204 as the app's would be.
+- ``RequestResponseCycle.disconnected``: read: a client gone is left to the app.
+- ``RequestResponseCycle.more_body``: read: a heartbeat whose message is not complete waits for it.
+- ``RequestResponseCycle.response_complete``: read: a head timer waits while the request before it is answered.
+- ``RequestResponseCycle.scope``: read: the request's ASGI scope.
+- ``FlowControl``: subclassed, from ``uvicorn.protocols.http.flow_control``, to resume reading only within bounds.
+- ``FlowControl.__init__``: its parameter passed through.
+- ``FlowControl.pause_reading``: called once the pipelined requests reach their bound.
+- ``FlowControl.resume_reading``: overridden to resume only within the bound.
+- ``FlowControl.write_paused``: read: a transport past its high-water mark.
+- ``STATUS_LINE``: the status lines of the refusals written before a request exists.
+
+Besides, CPython keeps an instance's ``__dict__`` as values of keys shared by every instance only up to 29 keys:
+uvicorn's protocol has 28 attributes, so what the exporter keeps per connection is one attribute with slots
+(``ConnectionState``): each attribute more would cost every connection a dict of its own, 1.2 KiB more for each
+idle connection a fleet keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, Self
+
+from starlette.types import ASGIApp, Message
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from exporter.config.settings import flag_of
+from exporter.errors import HeadersTooLarge, HeaderTimeout, Refused, TooManyConnections
+from exporter.server import gc_freeze
+from exporter.server.problems import PROBLEM_JSON, problem_document, problem_for
+from exporter.server.quick_heartbeats import QuickHeartbeats
+
+# Requests a connection may have waiting behind the one answered before it is no longer read.
+PIPELINED_AT_MOST = 8
+# Bytes parsed at once: the requests waiting are counted between two feeds (a heartbeat's head is about 200).
+FEED_BYTES = 4096
+# At the connection cap, one warning per this many seconds at most, with the count refused since the last one.
+CAP_LOG_SECONDS = 10.0
+
+
+class ConnectionState:
+    """What the exporter's protocol keeps per connection beyond uvicorn's, in one attribute with slots (see the
+    module: CPython's key-sharing dicts)."""
+
+    __slots__ = ("head_begun", "header_room", "header_timer", "held", "waiting")
+
+    def __init__(self, header_room: int) -> None:
+        # Bytes read but not parsed, until the requests waiting drain.
+        self.held: bytes | None = None
+        # Bytes the current request's line and headers may still take; None once they are in.
+        self.header_room: int | None = header_room
+        self.header_timer: asyncio.TimerHandle | None = None
+        # A request's first bytes are in and its headers are not yet complete.
+        self.head_begun = False
+        # A heartbeat whose head is in, answered when its message completes (at once: it has no body).
+        self.waiting: tuple[RequestResponseCycle, ASGIApp] | None = None
+
+
+class BoundedFlow(FlowControl):
+    """uvicorn's flow control, resuming reads only while the connection may be read: nothing is held and fewer
+    than ``PIPELINED_AT_MOST`` requests wait."""
+
+    def __init__(self, transport: Any, pipeline: deque[Any], state: ConnectionState) -> None:
+        super().__init__(transport)
+        self._pipeline = pipeline
+        self._state = state
+
+    def resume_reading(self) -> None:
+        if self._state.held is None and len(self._pipeline) < PIPELINED_AT_MOST:
+            super().resume_reading()
+
+
+class PipelineBoundProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with HTTP/1.1 pipelining bounded per connection: a client that sends requests
+    without reading the answers holds a bounded amount of the exporter's memory.
+
+    uvicorn queues a request that arrives while the one before it is answered (``pipeline``) and pauses reading,
+    but it resumes reading whenever an answer completes or the app reads, whatever its queue holds, and it parses
+    every request of a read at once (what that cost, unbounded: docs/RELIABILITY.md, "Pipelining bounded"). Here
+    the parser is fed ``FEED_BYTES`` at a time; once ``PIPELINED_AT_MOST`` requests wait, the rest of the read is
+    kept unparsed and the connection is not read until the queue drains. So a connection holds at most the requests
+    of one feed past the bound, and one read.
+
+    At close the queue is dropped: each queued request refers back to its protocol (a reference cycle), garbage that
+    reference counting cannot free, and that frozen (``exporter/server/gc_freeze.py``) the collector would not see.
+    ``_parse`` (a subclass's checks, then the parser) is given each piece of a read, and ``_fed`` is called once a
+    read is parsed or kept.
+    """
+
+    _connection: ConnectionState
+    flow: BoundedFlow
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.flow = BoundedFlow(transport, self.pipeline, self._connection)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._connection.held = None
+        self.pipeline.clear()
+        self.cycle = None  # type: ignore[assignment]  # it refers back to this protocol: a cycle
+
+    def data_received(self, data: bytes) -> None:
+        held = self._connection.held
+        if held is not None:  # read as reading was paused
+            self._connection.held = held + data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        for start in range(0, len(data), FEED_BYTES):
+            if len(self.pipeline) >= PIPELINED_AT_MOST:
+                self._connection.held = data[start:]
+                self.flow.pause_reading()
+                break
+            self._parse(data[start : start + FEED_BYTES])
+            if self.transport.is_closing():
+                return
+        self._fed()
+
+    def _parse(self, data: bytes) -> None:
+        HttpToolsProtocol.data_received(self, data)
+
+    def _fed(self) -> None:
+        """A read is parsed, or kept for later."""
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._connection.held is not None and not self.transport.is_closing():
+            # Not now: this may run within a parser callback (a quick heartbeat's answer), and the parser is busy.
+            self.loop.call_soon(self._feed_held)
+
+    def _feed_held(self) -> None:
+        held, self._connection.held = self._connection.held, None
+        if held is None or self.transport.is_closing():
+            return
+        self._feed(held)
+        self.flow.resume_reading()
+
+
+class GuardedHttpToolsProtocol(PipelineBoundProtocol):
+    """uvicorn's httptools protocol (its pipelining bounded) with 431 once a request's line and headers pass
+    ``max_header_bytes``, and 408 when they take longer than ``header_timeout`` seconds (counted from the
+    connection's start or the request's first byte), so neither a huge header nor a slow-header client can hold
+    memory or a slot.
+    A connection past the cap (``limit_concurrency``) closes a kept-alive connection that waits idle for its
+    next request (a client reconnects to send it), or, when none is idle, is answered 503 and closed at once,
+    before it sends anything: idle connections cannot take every file descriptor, and kept-alive ones
+    (the plugin's, between heartbeats) never keep a scrape out."""
+
+    # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
+    _cap_logged: ClassVar[float] = float("-inf")
+    _cap_refused: ClassVar[int] = 0
+    # The server's settings, the same for each connection: class attributes (see ``ConnectionState``).
+    max_header_bytes: ClassVar[int]
+    header_timeout: ClassVar[float]
+
+    @classmethod
+    def configured(cls, **settings: object) -> Callable[..., Self]:
+        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, a subclass's), for
+        uvicorn's ``http``, which makes one per connection. A partial of a module-level function: it pickles, as
+        uvicorn's worker processes (``--web.workers``) need."""
+        return functools.partial(_configured_protocol, cls, tuple(sorted(settings.items())))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connection = ConnectionState(self.max_header_bytes)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        gc_freeze.connection_opened()
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) >= limit and not self._close_an_idle_connection():
+            self._at_cap(limit)
+            return
+        self._arm_header_timer()
+
+    def _close_an_idle_connection(self) -> bool:
+        """Close one connection that waits for its next request (its keep-alive timer runs); False if none does.
+        It leaves the count at once, so that this connection's request is not refused by uvicorn's own cap."""
+        for connection in self.connections:
+            if getattr(connection, "timeout_keep_alive_task", None) is not None:
+                connection.timeout_keep_alive_handler()
+                self.connections.discard(connection)
+                return True
+        return False
+
+    def _at_cap(self, limit: int) -> None:
+        cls = GuardedHttpToolsProtocol
+        cls._cap_refused += 1
+        now = time.monotonic()
+        if now - cls._cap_logged >= CAP_LOG_SECONDS:
+            self.logger.warning("At the connection cap of %d (%s): refused %d connection(s) with 503 since the last "
+                                "such warning", limit, flag_of("max_connections"), cls._cap_refused)  # fmt: skip
+            cls._cap_logged, cls._cap_refused = now, 0
+        detail = f"the exporter serves at most {limit} connections at once; retry later"
+        self._refuse(TooManyConnections(None, detail), log=False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+        gc_freeze.connection_closed()
+
+    def _fed(self) -> None:
+        """A head still incomplete after a read is timed from now on.
+
+        Timed here rather than as the head begins: a request whose head comes in one read (a heartbeat, most
+        requests) then arms and cancels no timer."""
+        connection = self._connection
+        if connection.head_begun and connection.header_timer is None and not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _parse(self, data: bytes) -> None:
+        """Parse ``data`` within the header room."""
+        connection = self._connection
+        room = connection.header_room
+        if room is None or len(data) <= room:
+            if room is not None:
+                connection.header_room = room - len(data)
+            super()._parse(data)
+            return
+        connection.header_room = 0
+        super()._parse(data[:room])
+        if self.transport.is_closing():
+            return
+        if connection.header_room == 0:  # the headers are still not complete, and their room is used up
+            detail = f"the request line and headers are limited to {self.max_header_bytes} bytes"
+            self._refuse(HeadersTooLarge("headers", detail))
+            return
+        self._parse(data[room:])
+
+    # Parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._connection.head_begun = True
+
+    def on_headers_complete(self) -> None:
+        connection = self._connection
+        connection.header_room = None
+        connection.head_begun = False
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._connection.header_room = self.max_header_bytes  # what follows is the next request's head
+
+    def _arm_header_timer(self) -> None:
+        self._connection.header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _disarm_header_timer(self) -> None:
+        connection = self._connection
+        if connection.header_timer is not None:
+            connection.header_timer.cancel()
+            connection.header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._connection.header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:  # answer the request before it first
+            self._arm_header_timer()
+            return
+        self._refuse(
+            HeaderTimeout("headers", f"the request line and headers did not arrive within {self.header_timeout} s")
+        )
+
+    def _refuse(self, error: Refused, log: bool = True) -> None:
+        """Answer with the error's problem and close: no request exists yet, so the answer is written here."""
+        problem = problem_for(error)
+        body = problem_document(problem)
+        headers = {"content-type": PROBLEM_JSON, "content-length": str(len(body)), **problem.headers}
+        head = "".join(f"{name.lower()}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+        if log:
+            self.logger.warning("Refused a request: %s", problem.detail)
+        self.transport.write(STATUS_LINE[problem.status] + head + b"\r\n" + body)
+        self.transport.close()
+
+
+def _configured_protocol(
+    protocol: type[GuardedHttpToolsProtocol], settings: tuple[tuple[str, object], ...], *args: Any, **kwargs: Any
+) -> GuardedHttpToolsProtocol:
+    return _configured_class(protocol, settings)(*args, **kwargs)
+
+
+@functools.cache
+def _configured_class(
+    protocol: type[GuardedHttpToolsProtocol], settings: tuple[tuple[str, object], ...]
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol with the settings as class attributes: one class per server."""
+    return type(protocol.__name__, (protocol,), dict(settings))
+
+
+class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
+    """The guarded protocol, answering the heartbeats that ``heartbeats`` hears without starting the app
+    (``None``: none; set by ``configured``), through uvicorn's own ``send``: when the 204's head takes the transport
+    past its high-water mark (a client slower to read than the exporter answers), its end is sent as the app's
+    would be, once the transport drains."""
+
+    heartbeats: ClassVar[QuickHeartbeats | None] = None
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:  # type: ignore[override]
+        heartbeats = self.heartbeats
+        if heartbeats is None or app is not self.app or self.access_log or not heartbeats.may_answer(cycle.scope):
+            super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+        elif cycle.more_body:
+            self._connection.waiting = (cycle, app)
+        else:  # a pipelined heartbeat, started after the request before it
+            self._answer(cycle, app)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        connection = self._connection
+        waiting = connection.waiting
+        if waiting is not None and waiting[0] is self.cycle:
+            connection.waiting = None
+            self._answer(*waiting)
+
+    def _answer(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:
+        assert self.heartbeats is not None
+        headers = None if cycle.disconnected or self.flow.write_paused else self.heartbeats.answer(cycle.scope)
+        if headers is None:
+            super()._start_asgi_task(cycle, app)  # type: ignore[arg-type]
+            return
+        # uvicorn's send, which awaits only a paused transport: it completes at once here.
+        _complete_at_once(cycle.send({"type": "http.response.start", "status": 204, "headers": headers}))
+        if self.flow.write_paused:  # the head took the transport past its mark: the end waits for it to drain
+            ending = self.loop.create_task(cycle.send(_END))
+            ending.add_done_callback(self.tasks.discard)
+            self.tasks.add(ending)
+            return
+        _complete_at_once(cycle.send(_END))
+        # Nothing reads it again (it had no body): an idle connection holds 2 KiB less. Unless the next request's
+        # head is begun: its scope and headers are being parsed.
+        if cycle is self.cycle and not self._connection.head_begun:
+            self.cycle = self.scope = self.headers = None  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._connection.waiting = None  # it refers back to this protocol: a cycle
+
+
+# The end of a 204: no body.
+_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def _complete_at_once(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine that never suspends to its end."""
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        return
+    coroutine.close()
+    raise RuntimeError("a send that was to complete at once suspended")
