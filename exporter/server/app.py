@@ -82,6 +82,7 @@ _WITHOUT_TELEMETRY: dict[str, Any] = (
     else {}
 )
 
+
 def _guarded(
     app: Starlette, settings: Settings, credentials: Credentials, reject: Callable[[str], None] | None
 ) -> frozenset[str] | None:
