@@ -25,6 +25,7 @@ from exporter.config.option import Option, SettingsError
 from exporter.config.options import DEFAULT_PORT
 from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.state.owner import own
 from exporter.state.storage import SqliteStore, StorageError
 from exporter.vllm_plugin import sender
 from protocol import tokens
@@ -125,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
+        # Held until the process ends: the parent's of --web.workers N too, whose workers share the file.
+        owner = None if settings.probe_only else own(settings.storage_path)
         app: Any = create_app(settings) if settings.workers == 1 else _prepare_workers(settings)
     except (SettingsError, StorageError) as error:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
@@ -167,6 +170,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     finally:
         thaw()
+        if owner is not None:
+            owner.release()
     return 0
 
 
