@@ -26,6 +26,7 @@ from tests.helpers.exposition import samples
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response
 from tests.helpers.tls import der_of, make_certificate, served_certificate
+from tests.probe.hostile import cpu_seconds
 from tests.support import ExporterProcess, wait_until
 
 BODY = ready_response(0, 42, 2)
@@ -244,12 +245,6 @@ def test_sigterm_during_checks_at_the_highest_cost_ends_within_the_shutdown_time
 def guess(exporter: ExporterProcess) -> None:
     with contextlib.suppress(OSError):  # the connection closed by the shutdown
         request(exporter.url, "GET", "/metrics", headers=basic("nobody", "guess"), timeout=30)
-
-
-def cpu_seconds(pid: int) -> float:
-    """The user and system CPU time of a process so far (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def written_an_hour_ago(path: Path, content: bytes) -> None:
