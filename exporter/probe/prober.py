@@ -23,11 +23,13 @@ as it comes (``text_format.py``), in slices that take turns on the event loop an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -36,7 +38,7 @@ from prometheus_client.registry import Collector
 
 from exporter.config.allowlist import AllowList, Target
 from exporter.config.settings import Settings, flag_of
-from exporter.errors import Refused
+from exporter.errors import ClientDisconnected, Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
@@ -125,17 +127,16 @@ def read_vllm(
         deployment = deployment_of_model(min(shown.models)) if shown.models else DEFAULT_DEPLOYMENT
         if len(shown.models) > 1:
             log(f"{len(shown.models)} different model_name values: the first in order names the deployment")
-    label_sets = {engine: labels for engine, (labels, _) in shown.engines.items()}
-    for engine, (_, count) in sorted(shown.engines.items()):
+    for engine, count in sorted(shown.engines.items()):
         if count > 1:
             log(f"engine {engine} shows {count} different {INFO} label sets (several API servers?); the most "
                 f"frequent is taken")  # fmt: skip
-    lead = min(label_sets)
-    static = label_sets[lead]
-    if any(label_sets[engine] != label_sets[lead] for engine in label_sets):
+    lead = min(shown.engines)
+    static = shown.labels
+    if shown.engines_differ:
         log(f"the engines' {INFO} labels differ; engine {lead}'s are taken, as vLLM's frontend holds one config")
     release, how = release_of_labels(frozenset(static))
-    log(f"{len(label_sets)} engine(s) {sorted(label_sets)}; {how}")
+    log(f"{len(shown.engines)} engine(s) {sorted(shown.engines)}; {how}")
     try:
         check_labels(static)
         figures = {
@@ -150,13 +151,13 @@ def read_vllm(
         invalid = error if isinstance(error, InvalidPayload) else InvalidPayload.from_msgspec(error)
         raise ProbeFailed("invalid", _without_value(invalid, release)) from None
     # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
-    count = len(label_sets)
+    count = len(shown.engines)
     now = time.time()
     responses = {
         engine: msgspec.structs.replace(
             response, num_gpu_blocks=response.num_gpu_blocks // count + (rank < response.num_gpu_blocks % count)
         )
-        for rank, engine in enumerate(sorted(label_sets))
+        for rank, engine in enumerate(sorted(shown.engines))
     }
     engines = {engine: engine_report(engine, now, b"", JSON) for engine in responses}
     return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
@@ -218,6 +219,21 @@ class _ProbeMetrics(Collector):
         )
 
 
+async def _unless_departed(work: Coroutine[Any, Any, Outcome], departed: asyncio.Future[Any] | None) -> Outcome:
+    """``work``'s outcome, or ``ClientDisconnected`` once ``departed`` is done first (``work`` is cancelled, and
+    awaited: its connection to the target is closed before the slot is given back)."""
+    if departed is None:
+        return await work
+    running = asyncio.ensure_future(work)
+    await asyncio.wait((running, departed), return_when=asyncio.FIRST_COMPLETED)
+    if running.done():
+        return running.result()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    raise ClientDisconnected(None, "the client hung up before the probe ended")
+
+
 class Prober:
     """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
 
@@ -249,9 +265,15 @@ class Prober:
             return self.max_seconds
         return min(self.max_seconds, max(scrape_timeout - TIMEOUT_MARGIN_SECONDS, scrape_timeout / 2))
 
-    async def probe(self, target: Target, deployment: str | None, timeout: float) -> Outcome:
+    async def probe(
+        self, target: Target, deployment: str | None, timeout: float, departed: asyncio.Future[Any] | None = None
+    ) -> Outcome:
         """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it, and
-        ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries)."""
+        ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries).
+
+        ``departed``: done once the client has hung up; the probe then ends at once (``ClientDisconnected``), so
+        that clients that ask and leave cannot keep the probe slots, and ``/probe``, taken for others.
+        """
         self.allowlist.check(target)
         if self.running >= self.max_running:
             self._warn_busy()
@@ -259,7 +281,7 @@ class Prober:
                                       "retry later")  # fmt: skip
         self.running += 1
         try:
-            outcome = await self._run(target, deployment, timeout)
+            outcome = await _unless_departed(self._run(target, deployment, timeout), departed)
         finally:
             self.running -= 1
         self.results.labels(outcome.result).inc()

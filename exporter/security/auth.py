@@ -44,8 +44,9 @@ class Unauthorized(Refused):
 
 
 @contextmanager
-def _departure(request: Request) -> Iterator[asyncio.Future[Any]]:
-    """A future done once the client has hung up: its request's next ASGI messages, awaited aside.
+def departure(request: Request) -> Iterator[asyncio.Future[Any]]:
+    """A future done once the client has hung up: its request's next ASGI messages, awaited aside (work done for
+    a client, a password check or a probe, ends with it).
 
     Only for requests whose body nobody reads (the reads): the watch takes the request's body message.
     """
@@ -107,7 +108,7 @@ class Credentials:
         if basic is not None:
             user, password = basic
             if users:
-                with _departure(request) as hung_up:
+                with departure(request) as hung_up:
                     if await self._bcrypt.matches(user, password, users.get(user), config.bcrypt_cost, hung_up.done):
                         return
             if self.plain_users is not None and _plain_matches(user, password, self.plain_users):

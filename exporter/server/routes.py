@@ -31,7 +31,7 @@ from exporter.exposition.rendering import Exposition
 from exporter.exposition.telemetry import Telemetry
 from exporter.exposition.views import ReplicaView, encode_view, view
 from exporter.probe.prober import Prober
-from exporter.security.auth import Credentials
+from exporter.security.auth import Credentials, departure
 from exporter.server.chunked import ChunkedBody
 from exporter.server.openapi import Endpoint
 from exporter.server.pages import StatusPage, api_reference
@@ -380,7 +380,8 @@ async def get_probe(request: Request) -> Response:
         raise InvalidRequest("query.target", str(error)) from None
     prober = exporter.prober
     try:
-        outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)))
+        with departure(request) as departed:
+            outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)), departed)
     except TargetForbidden as error:
         raise Forbidden("query.target", str(error)) from None
     if query.debug:
