@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import releases
+from tests.helpers.figures import record
 from tests.helpers.prometheus import promtool
 from tests.helpers.release_payloads import engine_labels, ready_payload
 
@@ -65,21 +66,24 @@ def test_the_responses_own_sync_inputs_get_the_checks_put_applies(client: TestCl
     assert client.get("/api/v1/deployments").json() == []
 
 
-# Names as close to valid as can be: letters, digits and _, plus the characters that break an exposition line.
-label_names = st.text(alphabet=string.ascii_letters + string.digits + '_\n\r "=,{}', min_size=1, max_size=12)
+# Valid names, and names as close to valid as can be: letters, digits and _ with the characters that break an
+# exposition line (a newline at the end among them).
+label_names = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,11}", fullmatch=True) | st.text(
+    alphabet=string.ascii_letters + string.digits + '_\n\r "=,{}', min_size=1, max_size=12
+)
 label_values = st.text(alphabet=st.characters(codec="utf-8"), max_size=20)
 
 
 def test_random_accepted_labels_keep_metrics_parsable_also_after_a_restart(
-    make_client: Callable[..., TestClient], tmp_path: Path
+    make_client: Callable[..., TestClient], tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
     client = make_client()
-    accepted = 0
+    accepted = sent = 0
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(labels=st.dictionaries(label_names, label_values, max_size=4), route=st.sampled_from(["ready", "put"]))
     def check(labels: dict[str, str], route: str) -> None:
-        nonlocal accepted
+        nonlocal accepted, sent
         if route == "ready":
             payload = ready_payload(NEWEST, cache_config_info={**engine_labels(NEWEST), **labels})
             answer = client.post("/api/v1/deployments/d/ready?replica=r", content=payload, headers=MSGPACK)
@@ -88,9 +92,11 @@ def test_random_accepted_labels_keep_metrics_parsable_also_after_a_restart(
                                 headers={"Content-Type": "application/json"})  # fmt: skip
         assert answer.status_code in (200, 422), answer.text
         accepted += answer.status_code == 200
+        sent += 1
         check_exposition(client)
 
     check()
+    record(record_property, "random_label_maps", sent=sent, accepted=accepted, refused=sent - accepted)
     assert accepted > 0
     client.__exit__(None, None, None)
     assert "cache_config_info{" in check_exposition(make_client(storage_path=tmp_path / "exporter.db"))
