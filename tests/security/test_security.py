@@ -90,14 +90,21 @@ def test_passwords_and_headers_rotate_without_a_restart(
     assert "reloaded" in exporter.log.read_text()
 
 
+def serving_one_user(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> tuple[ExporterProcess, Path, str]:
+    """An exporter whose web config has the user ``prometheus``: it, its web config and the password."""
+    password = secrets.token_urlsafe(16)
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n")
+    return start_exporter("--web.config.file", str(web_config)), web_config, password
+
+
 def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
     start_exporter: Callable[..., ExporterProcess], tmp_path: Path
 ) -> None:
-    password = secrets.token_urlsafe(16)
-    good = f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n"
-    web_config = tmp_path / "web.yml"
-    web_config.write_text(good)
-    exporter = start_exporter("--web.config.file", str(web_config))
+    exporter, web_config, password = serving_one_user(start_exporter, tmp_path)
+    good = web_config.read_text()
     right = basic("prometheus", password)
     leaked = "$2b$04$" + "x" * 20
     web_config.write_text(f"basic_auth_users:\n  prometheus: {leaked}\n")  # not a bcrypt hash
@@ -208,12 +215,9 @@ def test_a_cost_past_the_bound_stops_start_up_in_one_line_naming_the_file_and_us
 def test_a_reload_past_the_cost_bound_keeps_the_last_good_users_and_says_so(
     start_exporter: Callable[..., ExporterProcess], tmp_path: Path
 ) -> None:
-    password = secrets.token_urlsafe(16)
-    web_config = tmp_path / "web.yml"
-    web_config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n")
-    exporter = start_exporter("--web.config.file", str(web_config))
+    exporter, web_config, password = serving_one_user(start_exporter, tmp_path)
     right = basic("prometheus", password)
-    web_config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n  mallory: $2y$31${'a' * 53}\n")
+    web_config.write_text(f"{web_config.read_text()}  mallory: $2y$31${'a' * 53}\n")
     wait_until(lambda: reload_gauge(exporter, right, web_config) == 0.0)
     assert scrape_status(exporter, basic("nobody", "guess")) == 401, "an unknown user is checked at the old cost"
     assert scrape_status(exporter, right) == 200
