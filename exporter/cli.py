@@ -24,6 +24,7 @@ from exporter.config.addresses import split_listen_address
 from exporter.config.option import Option, SettingsError
 from exporter.config.options import DEFAULT_PORT
 from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
+from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, create_shared_counts
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.state.owner import own
 from exporter.state.storage import SqliteStore, StorageError
@@ -106,9 +107,13 @@ def _prepare_workers(settings: Settings) -> str:
     if not settings.probe_only:
         SqliteStore(settings.storage_path).close()
     os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
-    # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
-    os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
-    atexit.register(shutil.rmtree, counters, ignore_errors=True)
+    if settings.probe_only:
+        # Their probe counts in a memory file: a probe-only exporter may have no writable directory at all.
+        os.environ[SHARED_COUNTS_ENVIRONMENT] = create_shared_counts()
+    else:
+        # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
+        os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
+        atexit.register(shutil.rmtree, counters, ignore_errors=True)
     return "exporter.server.app:create_app_from_environment"
 
 

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from exporter.errors import ClientDisconnected, Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
+from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, SharedCounter
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.probe.client import MetricsClient, ProbeFailed
 from exporter.probe.text_format import INFO, Shown, TextReader
@@ -234,6 +235,24 @@ async def _unless_departed(work: Coroutine[Any, Any, Outcome], departed: asyncio
     raise ClientDisconnected(None, "the client hung up before the probe ended")
 
 
+_RESULTS_HELP = "Probes of /probe, by result: success, or why the target's cache config could not be read."
+
+
+def _results_counter(registry: CollectorRegistry) -> Callable[[str], None]:
+    """How a probe's result is counted: in this process, in prometheus_client's multiprocess files
+    (``--web.workers N``), or in the memory file of a probe-only exporter's workers (no writable directory)."""
+    shared_counts = os.environ.get(SHARED_COUNTS_ENVIRONMENT)
+    if shared_counts:
+        shared = SharedCounter(shared_counts, "cache_config_exporter_probes", _RESULTS_HELP, "result", RESULTS)
+        registry.register(shared)
+        return shared.inc
+    counter = Counter("cache_config_exporter_probes", _RESULTS_HELP, ["result"],
+                      registry=None if os.environ.get(MULTIPROCESS_ENVIRONMENT) else registry)  # fmt: skip
+    for result in RESULTS:
+        counter.labels(result)
+    return lambda result: counter.labels(result).inc()
+
+
 class Prober:
     """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
 
@@ -249,15 +268,7 @@ class Prober:
         self.info_labels = settings.info_labels()
         self.base_labels = dict(base_labels)
         self._warned_busy = -BUSY_WARNING_SECONDS
-        shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
-        self.results = Counter(
-            "cache_config_exporter_probes",
-            "Probes of /probe, by result: success, or why the target's cache config could not be read.",
-            ["result"],
-            registry=None if shared else registry,
-        )
-        for result in RESULTS:
-            self.results.labels(result)
+        self._count = _results_counter(registry)
 
     def timeout(self, scrape_timeout: float | None) -> float:
         """Seconds a probe may take: Prometheus' scrape timeout less the margin, at most ``--probe.timeout``."""
@@ -284,7 +295,7 @@ class Prober:
             outcome = await _unless_departed(self._run(target, deployment, timeout), departed)
         finally:
             self.running -= 1
-        self.results.labels(outcome.result).inc()
+        self._count(outcome.result)
         if outcome.success:
             _log.debug("probe of %s succeeded in %.3f s", target.text, outcome.seconds)
         else:
