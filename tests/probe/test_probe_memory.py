@@ -44,6 +44,7 @@ def reset_peak(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
 
 
+@pytest.mark.slow  # a real process probing bodies of 1.7 and 7.1 MB: about 5 s
 @pytest.mark.parametrize(("labels", "success"), [(128, 1.0), (1000, 0.0)], ids=["128 labels", "1000 labels"])
 def test_a_wide_target_costs_at_most_eight_times_its_body_and_keeps_little(
     exporter: ExporterProcess, labels: int, success: float, record_property: Callable[[str, object], None]
