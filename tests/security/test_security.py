@@ -226,13 +226,18 @@ def test_a_reload_past_the_cost_bound_keeps_the_last_good_users_and_says_so(
     assert "$.basic_auth_users.mallory has cost 31" in log
 
 
+@pytest.mark.slow  # checks at cost 14, about 1.5 s each on the project machine
 def test_sigterm_during_checks_at_the_highest_cost_ends_within_the_shutdown_timeout(
     start_exporter: Callable[..., ExporterProcess], tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
     """Checks at the highest cost taken, an unknown user's among them, in flight when SIGTERM comes: no 500,
-    and the exporter is gone within its shutdown timeout and one check (about 1.5 s at cost 14 here)."""
+    and the exporter is gone within its shutdown timeout and the check in progress (one check's time measured
+    here, in the same run, about 1.5 s on the project machine)."""
     web_config = tmp_path / "web.yml"
     hashed = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=14)).decode()
+    timed = time.monotonic()
+    bcrypt.checkpw(b"wrong", hashed.encode())
+    check_seconds = time.monotonic() - timed
     web_config.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
     exporter = start_exporter("--web.config.file", str(web_config), "--web.shutdown-timeout", "1")
     assert scrape_status(exporter, basic("nobody", "guess")) == 401
@@ -245,8 +250,9 @@ def test_sigterm_during_checks_at_the_highest_cost_ends_within_the_shutdown_time
     exporter.process.send_signal(signal.SIGTERM)
     exporter.process.wait(timeout=30)
     ended = time.monotonic() - started
-    record(record_property, "sigterm_during_cost_14_checks", guesses=len(guesses), exit_seconds=round(ended, 2))
-    assert ended < 1 + 1.5 + 1.5
+    record(record_property, "sigterm_during_cost_14_checks", guesses=len(guesses), exit_seconds=round(ended, 2),
+           check_seconds=round(check_seconds, 2))  # fmt: skip
+    assert ended < 1 + 2 * check_seconds + 1, "the shutdown timeout, a check begun as it ended, and a margin"
 
 
 def guess(exporter: ExporterProcess) -> None:
