@@ -24,7 +24,9 @@ from exporter.config.addresses import split_listen_address
 from exporter.config.option import Option, SettingsError
 from exporter.config.options import DEFAULT_PORT
 from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
+from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, create_shared_counts
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.state.owner import own
 from exporter.state.storage import SqliteStore, StorageError
 from exporter.vllm_plugin import sender
 from protocol import tokens
@@ -105,9 +107,13 @@ def _prepare_workers(settings: Settings) -> str:
     if not settings.probe_only:
         SqliteStore(settings.storage_path).close()
     os.environ[SETTINGS_ENVIRONMENT] = settings.to_environment()
-    # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
-    os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
-    atexit.register(shutil.rmtree, counters, ignore_errors=True)
+    if settings.probe_only:
+        # Their probe counts in a memory file: a probe-only exporter may have no writable directory at all.
+        os.environ[SHARED_COUNTS_ENVIRONMENT] = create_shared_counts()
+    else:
+        # The workers count into files here; each one's scrape shows the sums (exposition/telemetry.py).
+        os.environ[MULTIPROCESS_ENVIRONMENT] = counters = tempfile.mkdtemp(prefix="cache-config-exporter-")
+        atexit.register(shutil.rmtree, counters, ignore_errors=True)
     return "exporter.server.app:create_app_from_environment"
 
 
@@ -125,6 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
+        # Held until the process ends: the parent's of --web.workers N too, whose workers share the file.
+        owner = None if settings.probe_only else own(settings.storage_path)
         app: Any = create_app(settings) if settings.workers == 1 else _prepare_workers(settings)
     except (SettingsError, StorageError) as error:
         print(f"cache-config-exporter: {error}", file=sys.stderr)
@@ -167,6 +175,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     finally:
         thaw()
+        if owner is not None:
+            owner.release()
     return 0
 
 

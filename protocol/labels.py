@@ -14,11 +14,15 @@ from typing import Any
 import msgspec
 
 from protocol.errors import InvalidPayload, MalformedPayload
-from protocol.ready_response import LABEL_NAME_PATTERN, MAX_LABEL_VALUE, MAX_LABELS
+
+MAX_LABELS = 128
+MAX_LABEL_VALUE = 4096
+# A Prometheus label name that is not reserved (``__``) and not one the exporter adds itself. Matched whole
+# (``fullmatch``): a ``$`` would match before a trailing newline, and that newline would end the exposition line.
+_LABEL_NAME = re.compile(r"(?!__)(?!(?:deployment|engine|replica)\Z)[a-zA-Z_][a-zA-Z0-9_]{0,127}")
 
 # Label values as a person may write them; strings pass through unchanged.
 _Value = str | int | float | bool | None | list[Any] | dict[str, Any]
-_LABEL_NAME = re.compile(LABEL_NAME_PATTERN)
 
 _decoders: dict[str, Any] = {
     "json": msgspec.json.Decoder(dict[str, _Value]).decode,
@@ -36,21 +40,25 @@ _SYNC_INPUTS = {
 }
 
 
-def check_labels(labels: dict[str, str]) -> dict[str, str]:
-    """Refuse a label map Prometheus or the exporter cannot take, naming the label at fault."""
+def check_labels(labels: dict[str, str], at: str = "$") -> dict[str, str]:
+    """Refuse a label map Prometheus or the exporter cannot take, naming the label at fault (under ``at``).
+
+    The one check of every label map an input brings (a person's static labels, a ready response's own
+    ``cache_config_info``, a probed target's labels): whatever passes it can be shown in a valid exposition.
+    """
     if len(labels) > MAX_LABELS:
-        raise InvalidPayload("$", f"{len(labels)} labels, more than the {MAX_LABELS} allowed")
+        raise InvalidPayload(at, f"{len(labels)} labels, more than the {MAX_LABELS} allowed")
     for name, value in labels.items():
-        if not _LABEL_NAME.match(name):
+        if not _LABEL_NAME.fullmatch(name):
             raise InvalidPayload(
-                f"$.{name}",
+                f"{at}.{name}",
                 "not a label name the exporter can show (letters, digits and _, not starting with a digit or __, "
                 "at most 128 characters, not deployment, engine or replica)",
             )
         if len(value) > MAX_LABEL_VALUE:
-            raise InvalidPayload(f"$.{name}", f"longer than {MAX_LABEL_VALUE} characters")
+            raise InvalidPayload(f"{at}.{name}", f"longer than {MAX_LABEL_VALUE} characters")
         if name in _SYNC_INPUTS and not _SYNC_INPUTS[name][0].fullmatch(value):
-            raise InvalidPayload(f"$.{name}", f"{value[:64]!r} is not {_SYNC_INPUTS[name][1]}")
+            raise InvalidPayload(f"{at}.{name}", f"{value[:64]!r} is not {_SYNC_INPUTS[name][1]}")
     return labels
 
 

@@ -31,6 +31,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from protocol.errors import InvalidPayload, MalformedPayload
+from protocol.labels import MAX_LABEL_VALUE, MAX_LABELS, check_labels
 from protocol.releases import newest
 
 # Bounds that no real engine comes near; they turn corrupt or hostile numbers
@@ -40,8 +41,6 @@ MAX_BLOCKS = 1 << 40
 MAX_BLOCK_SIZE = 1 << 24
 MAX_PARALLEL = 1 << 16
 MAX_TEXT = 256
-MAX_LABELS = 128
-MAX_LABEL_VALUE = 4096
 
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Tokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
@@ -58,11 +57,9 @@ MAX_LAYERS = 4096
 MAX_GROUPS = 256
 MAX_PAGE_BYTES = 1 << 48
 LayerName = Annotated[str, Meta(max_length=MAX_TEXT)]
-# A Prometheus label name that is not reserved (``__``) and not one the exporter adds itself.
-LABEL_NAME_PATTERN = r"^(?!__)(?!(deployment|engine|replica)$)[a-zA-Z_][a-zA-Z0-9_]{0,127}$"
-LabelName = Annotated[str, Meta(pattern=LABEL_NAME_PATTERN)]
+# Bounded while decoding; names and the values the sync reads are checked after it, by ``check_labels``.
 LabelValue = Annotated[str, Meta(max_length=MAX_LABEL_VALUE)]
-Labels = Annotated[dict[LabelName, LabelValue], Meta(max_length=MAX_LABELS)]
+Labels = Annotated[dict[str, LabelValue], Meta(max_length=MAX_LABELS)]
 
 
 class KVEventsConfig(msgspec.Struct, kw_only=True):
@@ -255,6 +252,8 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
     except RecursionError:  # msgspec's depth guard, e.g. deeply nested values of an unknown (skipped) key
         raise MalformedPayload("$", "nested too deeply") from None
     _check_free_form(response, wire_format)
+    if is_set(response.cache_config_info):
+        check_labels(response.cache_config_info, "$.cache_config_info")
     return response
 
 

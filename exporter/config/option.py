@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.tokens import TokenError, secret_text
+
 ENV_PREFIX = "CACHE_CONFIG_EXPORTER_"
 _TRUE = ("1", "true", "yes", "on")
 # The key of a settings field's ``Option`` in the field's metadata.
@@ -129,8 +131,12 @@ def read_file(flag: str, path: Path) -> bytes:
 
 
 def read_secret(flag: str, path: Path) -> str:
-    """A secret from a file (surrounding white space stripped); never echoed in messages."""
-    secret = read_file(flag, path).decode("utf-8", "replace").strip()
+    """A secret from a file, read as every client reads a token file (``protocol.tokens.secret_text``: a
+    byte-order mark and the white space around dropped); never echoed in messages."""
+    try:
+        secret = secret_text(read_file(flag, path))
+    except TokenError as error:
+        raise SettingsError(f"{flag} {path}: {error}") from None
     if not secret:
         raise SettingsError(f"{flag} {path}: the file is empty")
     return secret

@@ -23,11 +23,13 @@ as it comes (``text_format.py``), in slices that take turns on the event loop an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -36,10 +38,11 @@ from prometheus_client.registry import Collector
 
 from exporter.config.allowlist import AllowList, ProbeTarget
 from exporter.config.settings import Settings, flag_of
-from exporter.errors import Refused
+from exporter.errors import ClientDisconnected, Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import FAMILIES
+from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, SharedCounter
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.probe.addresses import addresses_of
 from exporter.probe.client import MetricsClient, ProbeFailed
@@ -126,17 +129,16 @@ def read_vllm(
         deployment = deployment_of_model(min(shown.models)) if shown.models else DEFAULT_DEPLOYMENT
         if len(shown.models) > 1:
             log(f"{len(shown.models)} different model_name values: the first in order names the deployment")
-    label_sets = {engine: labels for engine, (labels, _) in shown.engines.items()}
-    for engine, (_, count) in sorted(shown.engines.items()):
+    for engine, count in sorted(shown.engines.items()):
         if count > 1:
             log(f"engine {engine} shows {count} different {INFO} label sets (several API servers?); the most "
                 f"frequent is taken")  # fmt: skip
-    lead = min(label_sets)
-    static = label_sets[lead]
-    if any(label_sets[engine] != label_sets[lead] for engine in label_sets):
+    lead = min(shown.engines)
+    static = shown.labels
+    if shown.engines_differ:
         log(f"the engines' {INFO} labels differ; engine {lead}'s are taken, as vLLM's frontend holds one config")
     release, how = release_of_labels(frozenset(static))
-    log(f"{len(label_sets)} engine(s) {sorted(label_sets)}; {how}")
+    log(f"{len(shown.engines)} engine(s) {sorted(shown.engines)}; {how}")
     try:
         check_labels(static)
         figures = {
@@ -151,13 +153,13 @@ def read_vllm(
         invalid = error if isinstance(error, InvalidPayload) else InvalidPayload.from_msgspec(error)
         raise ProbeFailed("invalid", _without_value(invalid, release)) from None
     # vLLM shows the engines' sum; each engine gets its share, so the sync's sum is vLLM's (no engine's is shown).
-    count = len(label_sets)
+    count = len(shown.engines)
     now = time.time()
     responses = {
         engine: msgspec.structs.replace(
             response, num_gpu_blocks=response.num_gpu_blocks // count + (rank < response.num_gpu_blocks % count)
         )
-        for rank, engine in enumerate(sorted(label_sets))
+        for rank, engine in enumerate(sorted(shown.engines))
     }
     engines = {engine: engine_report(engine, now, b"", JSON) for engine in responses}
     return build_replica((deployment, target.text), None, static, None, now, engines, base_labels, responses=responses)
@@ -219,6 +221,39 @@ class _ProbeMetrics(Collector):
         )
 
 
+async def _unless_departed(work: Coroutine[Any, Any, Outcome], departed: asyncio.Future[Any] | None) -> Outcome:
+    """``work``'s outcome, or ``ClientDisconnected`` once ``departed`` is done first (``work`` is cancelled, and
+    awaited: its connection to the target is closed before the slot is given back)."""
+    if departed is None:
+        return await work
+    running = asyncio.ensure_future(work)
+    await asyncio.wait((running, departed), return_when=asyncio.FIRST_COMPLETED)
+    if running.done():
+        return running.result()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    raise ClientDisconnected(None, "the client hung up before the probe ended")
+
+
+_RESULTS_HELP = "Probes of /probe, by result: success, or why the target's cache config could not be read."
+
+
+def _results_counter(registry: CollectorRegistry) -> Callable[[str], None]:
+    """How a probe's result is counted: in this process, in prometheus_client's multiprocess files
+    (``--web.workers N``), or in the memory file of a probe-only exporter's workers (no writable directory)."""
+    shared_counts = os.environ.get(SHARED_COUNTS_ENVIRONMENT)
+    if shared_counts:
+        shared = SharedCounter(shared_counts, "cache_config_exporter_probes", _RESULTS_HELP, "result", RESULTS)
+        registry.register(shared)
+        return shared.inc
+    counter = Counter("cache_config_exporter_probes", _RESULTS_HELP, ["result"],
+                      registry=None if os.environ.get(MULTIPROCESS_ENVIRONMENT) else registry)  # fmt: skip
+    for result in RESULTS:
+        counter.labels(result)
+    return lambda result: counter.labels(result).inc()
+
+
 class Prober:
     """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
 
@@ -234,15 +269,7 @@ class Prober:
         self.info_labels = settings.info_labels()
         self.base_labels = dict(base_labels)
         self._warned_busy = -BUSY_WARNING_SECONDS
-        shared = os.environ.get(MULTIPROCESS_ENVIRONMENT)
-        self.results = Counter(
-            "cache_config_exporter_probes",
-            "Probes of /probe, by result: success, or why the target's cache config could not be read.",
-            ["result"],
-            registry=None if shared else registry,
-        )
-        for result in RESULTS:
-            self.results.labels(result)
+        self._count = _results_counter(registry)
 
     def timeout(self, scrape_timeout: float | None) -> float:
         """Seconds a probe may take: Prometheus' scrape timeout less the margin, at most ``--probe.timeout``."""
@@ -250,9 +277,15 @@ class Prober:
             return self.max_seconds
         return min(self.max_seconds, max(scrape_timeout - TIMEOUT_MARGIN_SECONDS, scrape_timeout / 2))
 
-    async def probe(self, target: ProbeTarget, deployment: str | None, timeout: float) -> Outcome:
+    async def probe(
+        self, target: ProbeTarget, deployment: str | None, timeout: float, departed: asyncio.Future[Any] | None = None
+    ) -> Outcome:
         """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it, and
-        ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries)."""
+        ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries).
+
+        ``departed``: done once the client has hung up; the probe then ends at once (``ClientDisconnected``), so
+        that clients that ask and leave cannot keep the probe slots, and ``/probe``, taken for others.
+        """
         self.allowlist.check(target)
         if self.running >= self.max_running:
             self._warn_busy()
@@ -260,10 +293,10 @@ class Prober:
                                       "retry later")  # fmt: skip
         self.running += 1
         try:
-            outcome = await self._run(target, deployment, timeout)
+            outcome = await _unless_departed(self._run(target, deployment, timeout), departed)
         finally:
             self.running -= 1
-        self.results.labels(outcome.result).inc()
+        self._count(outcome.result)
         if outcome.success:
             _log.debug("probe of %s succeeded in %.3f s", target.text, outcome.seconds)
         else:

@@ -23,6 +23,7 @@ from typing import NoReturn, TypeVar
 
 from exporter.config.settings import flag_of
 from exporter.probe.client import ProbeFailed
+from protocol.labels import MAX_LABELS
 
 INFO = "vllm:cache_config_info"
 _INFO = INFO.encode()
@@ -74,10 +75,13 @@ _RULES = tuple(
 
 @dataclass
 class Shown:
-    """What a body shows: each engine's ``vllm:cache_config_info`` labels (the most frequent set, without
-    ``engine``) and how many different sets it showed; the ``model_name`` values of the ``vllm:`` series."""
+    """What a body shows: the lowest engine's ``vllm:cache_config_info`` labels (its most frequent set, without
+    ``engine``: vLLM's frontend holds one config), whether another engine's differ, how many different sets each
+    engine showed, and the ``model_name`` values of the ``vllm:`` series."""
 
-    engines: dict[int, tuple[dict[str, str], int]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    engines: dict[int, int] = field(default_factory=dict)
+    engines_differ: bool = False
     models: set[str] = field(default_factory=set)
 
 
@@ -140,11 +144,16 @@ class TextReader:
         """What the whole body showed, its last line read (it may lack its newline)."""
         yield from self._lines(len(self.pending))
         shown = Shown(models=self.models)
+        # One engine's labels decoded at a time and compared with the lowest's: decoded, a label map takes many
+        # times its bytes, and 1,024 engines of them would cost the process far more than the body did.
         for engine, sets in sorted(self.label_sets.items()):
             raw, (_, *where) = max(sets.items(), key=lambda item: item[1][0])  # the first seen of the most frequent
             labels = self._checked(partial(label_values, raw), partial(_place, *where))
             del labels["engine"]
-            shown.engines[engine] = (labels, len(sets))
+            if not shown.engines:
+                shown.labels = labels
+            shown.engines_differ |= labels != shown.labels
+            shown.engines[engine] = len(sets)
             yield
         return shown
 
@@ -215,7 +224,11 @@ class TextReader:
                     raise ProbeFailed("invalid", f"{self._where(start)}: more than {MAX_MODELS} model_name values")
 
     def _info(self, labels: bytes, start: int) -> None:
-        engine = self._checked(partial(label_values, labels), partial(self._where, start)).get("engine", "")
+        values = self._checked(partial(label_values, labels), partial(self._where, start))
+        if len(values) > MAX_LABELS + 1:  # refused here, at its first line, rather than kept for ``finish``
+            raise ProbeFailed("invalid", f"{self._where(start)}: {INFO} has {len(values) - 1} labels besides engine, "
+                                         f"more than the {MAX_LABELS} a label map may have")  # fmt: skip
+        engine = values.get("engine", "")
         if not engine.isdigit() or len(engine) > MAX_ENGINE_DIGITS:
             raise ProbeFailed("invalid", f"{self._where(start)}: {INFO} has no engine label of at most "
                                          f"{MAX_ENGINE_DIGITS} digits")  # fmt: skip

@@ -44,6 +44,11 @@ _HEADERS: dict[str, tuple[str, ...] | None] = {
     "Strict-Transport-Security": None,
 }
 _BCRYPT = re.compile(r"\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}")
+# The costs a hash may have. bcrypt's own lowest is 4; a check doubles with each step (1.5 s at 14 on one core of
+# the machine the tests run on), and every guess, an anonymous one included, costs a check at the highest cost:
+# past 14 a few guesses would hold the check pool, and a SIGTERM would wait for the check in progress.
+MIN_BCRYPT_COST = 4
+MAX_BCRYPT_COST = 14
 
 
 class TlsServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -119,8 +124,21 @@ def _decoded(path: Path) -> WebConfigFile:
 
 def _users(path: Path, users: dict[str, Any]) -> dict[str, bytes]:
     for user, hashed in users.items():
-        if not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed):
+        matched = _BCRYPT.fullmatch(hashed) if isinstance(hashed, str) else None
+        if matched is None:
             raise _error(path, f"$.basic_auth_users.{user}", "is not a bcrypt hash ($2y$...)")
+        cost = int(matched.group(1))
+        if cost > MAX_BCRYPT_COST:
+            raise _error(
+                path,
+                f"$.basic_auth_users.{user}",
+                f"has cost {cost}, more than the {MAX_BCRYPT_COST} "
+                "allowed (every guess costs a check at the highest cost: hash again with htpasswd -nBC 12)",
+            )
+        if cost < MIN_BCRYPT_COST:
+            raise _error(
+                path, f"$.basic_auth_users.{user}", f"has cost {cost}, less than the {MIN_BCRYPT_COST} bcrypt allows"
+            )
     return {user: hashed.encode() for user, hashed in users.items()}
 
 

@@ -68,12 +68,13 @@ def admitted_at_once(credentials: Credentials, access: Access, request: Request)
 async def admit(credentials: Credentials, access: Access, request: Request) -> None:
     """Grant ``access`` or raise ``Unauthorized``."""
     if not admitted_at_once(credentials, access, request):
-        await credentials.require_reader(_authorization(request), lambda: _departure(request))
+        await credentials.require_reader(_authorization(request), lambda: _hung_up(request))
 
 
 @contextmanager
-def _departure(request: Request) -> Iterator[Callable[[], bool]]:
-    """Whether the client has hung up: its request's next ASGI messages, awaited aside.
+def departure(request: Request) -> Iterator[asyncio.Future[Any]]:
+    """A future done once the client has hung up: its request's next ASGI messages, awaited aside, so that work
+    done for a client (a password check, a probe) ends with it.
 
     Only for requests whose body nobody reads (the reads): the watch takes the request's body message.
     """
@@ -84,11 +85,18 @@ def _departure(request: Request) -> Iterator[Callable[[], bool]]:
 
     watch = asyncio.ensure_future(hung_up())
     try:
-        yield watch.done
+        yield watch
     finally:
         watch.cancel()
         if watch.done() and not watch.cancelled():
             watch.exception()  # a hang-up the request guard refuses: retrieved, nobody is left to answer
+
+
+@contextmanager
+def _hung_up(request: Request) -> Iterator[Callable[[], bool]]:
+    """Whether the client has hung up, as the password check asks it (``Credentials.require_reader``)."""
+    with departure(request) as watch:
+        yield watch.done
 
 
 def bound(endpoint: Endpoint, parts: object, credentials: Credentials) -> Callable[[Request], Awaitable[Response]]:

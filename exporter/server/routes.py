@@ -33,7 +33,7 @@ from exporter.exposition.telemetry import Telemetry
 from exporter.exposition.views import encode_view
 from exporter.probe.prober import Prober
 from exporter.server.chunked import ChunkedBody
-from exporter.server.endpoints import Access, Endpoint
+from exporter.server.endpoints import Access, Endpoint, departure
 from exporter.server.ingest_arrays import engine_of, ingest_array, is_array, items_of
 from exporter.server.pages import StatusPage, api_reference
 from exporter.server.queries import (
@@ -265,7 +265,8 @@ async def get_probe(request: Request, exporter: Probing, query: ProbeQuery) -> R
         raise InvalidRequest("query.target", str(error)) from None
     prober = exporter.prober
     try:
-        outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)))
+        with departure(request) as departed:
+            outcome = await prober.probe(target, query.deployment, prober.timeout(_scrape_timeout(request)), departed)
     except TargetForbidden as error:
         raise Forbidden("query.target", str(error)) from None
     if query.debug:

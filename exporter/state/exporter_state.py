@@ -70,7 +70,9 @@ class ExporterState:
                 render_ahead,
             )  # fmt: skip
         except (StorageUnavailable, InvalidPayload, msgspec.DecodeError) as error:
-            raise StorageError(f"cannot load storage {store.path}: {error}") from None
+            # One line whatever the stored input holds: a control character shows escaped.
+            shown = str(error).encode("unicode_escape").decode("ascii")
+            raise StorageError(f"cannot load storage {store.path}: {shown}") from None
 
     # Reading -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import msgspec
 from exporter.state.storage import StoredEngine, StoredReplica
 from protocol import (
     EngineCoreReadyResponse,
+    InvalidPayload,
     SyncedConfig,
     decode_accepted_ready_response,
     decode_ready_response,
@@ -114,14 +115,22 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float)
 
     ``seen``: its stored ``last_seen`` on the monotonic clock of the process that loads it.
     """
-    # Checked again as they are decoded: the store may be older code's.
-    responses = {engine: decode_ready_response(row.payload, row.wire_format) for engine, row in stored.engines.items()}
+    # Checked again as they are decoded: the store may be older code's, which took inputs today's checks refuse
+    # (a label name ending in a newline): those stop the start, naming the replica, rather than break /metrics.
+    try:
+        responses = {
+            engine: decode_ready_response(row.payload, row.wire_format) for engine, row in stored.engines.items()
+        }
+        # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
+        static_labels = decode_static_labels(stored.static_config)
+    except InvalidPayload as error:
+        raise InvalidPayload(
+            error.field, f"deployment {stored.deployment!r} replica {stored.replica!r}: {error.reason}"
+        ) from None
     engines = {
         engine: engine_report(engine, row.received_at, row.payload, row.wire_format)
         for engine, row in stored.engines.items()
     }
-    # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
-    static_labels = decode_static_labels(stored.static_config)
     key = (stored.deployment, stored.replica)
     return build_replica(
         key,

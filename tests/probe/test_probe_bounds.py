@@ -19,7 +19,7 @@ from exporter.probe.turns import LIGHT_SECONDS, SLICE_SECONDS, Turns
 from tests.helpers.exposition import info_labels, single_value
 from tests.helpers.http import Reply
 from tests.probe import hostile
-from tests.probe.test_probe import LOOPBACK, recorded_line, vllm_metrics
+from tests.probe.test_probe import LOOPBACK, MODEL, recorded_line, vllm_metrics
 
 SECRET = hostile.SECRET
 
@@ -291,3 +291,64 @@ def test_a_light_probe_works_before_heavy_ones() -> None:
     before, after = asyncio.run(run())
     slice_steps = SLICE_SECONDS / 0.0002
     assert after - before <= slice_steps + 1, (before, after)
+
+
+# Every bound at the bound and one past it -----------------------------------------------------------------
+
+
+def padded_to(size: int) -> bytes:
+    """A vLLM ``/metrics`` of exactly ``size`` bytes (a comment line fills it up)."""
+    body = vllm_metrics(INFO_LINE)
+    filler = size - len(body) - 3
+    assert filler >= 0
+    return body + b"#" + b" " * filler + b"\n\n"
+
+
+@pytest.mark.parametrize("framing", ["Content-Length", "until the connection closes"])
+def test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_refused(
+    framing: str, make_client: Callable[..., TestClient], target: Callable[[hostile.Answer], str]
+) -> None:
+    """A 4 KiB header beside it shows the response head is not counted into the body's cap."""
+    body = padded_to(8 << 10)
+    assert len(body) == 8 << 10
+    big_header = "X-Padding: " + "p" * 4096
+    headers = (big_header, f"Content-Length: {len(body)}") if framing == "Content-Length" else (big_header,)
+    served = target(hostile.answering(head(*headers) + body))
+    at_the_cap = make_client(probe_allowed_targets=(LOOPBACK,), probe_max_body_bytes=len(body))
+    assert single_value(probe(at_the_cap, served).text, "cache_config_probe_success") == 1.0
+    under_it = make_client(probe_allowed_targets=(LOOPBACK,), probe_max_body_bytes=len(body) - 1)
+    refused = probe_log(under_it, served)[-1]
+    if framing == "Content-Length":
+        assert refused == f"Content-Length {len(body)} is over --probe.max-body-bytes ({len(body) - 1})"
+    else:
+        assert (
+            refused
+            == f"the body passed --probe.max-body-bytes ({len(body) - 1} bytes on the wire, chunk framing included)"
+        )
+
+
+@pytest.mark.parametrize(("engines", "permitted"), [(4, True), (5, False)])
+def test_exactly_the_engines_a_deployment_may_have_are_read_and_one_more_refused(
+    engines: int, permitted: bool, make_client: Callable[..., TestClient], target: Callable[[hostile.Answer], str]
+) -> None:
+    client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_deployment=4)
+    served = target(hostile.serving(vllm_metrics(*(recorded_line("qwen3-next", engine) for engine in range(engines)))))
+    reply = probe(client, served)
+    if permitted:
+        assert single_value(reply.text, "cache_config_probe_success") == 1.0
+        assert set(info_labels(reply.text, MODEL)) == {"0", "1", "2", "3"}
+    else:
+        assert single_value(reply.text, "cache_config_probe_success") == 0.0
+        assert "more than 4 engines" in probe_log(client, served)[-1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "vllm"])
+def test_a_pattern_is_matched_whole_not_as_a_prefix_of_a_longer_target(
+    host: str, lookups: list[str], make_client: Callable[..., TestClient], target: Callable[[hostile.Answer], str]
+) -> None:
+    """``vllm:80`` permits ``vllm:80``, never ``vllm:8080``: a port one digit short refuses, the whole permits."""
+    port = target(hostile.serving(vllm_metrics(INFO_LINE))).rpartition(":")[2]
+    short = make_client(probe_allowed_targets=(f"{host}:{port[:-1]}",))
+    assert probe(short, f"{host}:{port}").problem(403)["field"] == "query.target"
+    whole = make_client(probe_allowed_targets=(f"{host}:{port}",))
+    assert single_value(probe(whole, f"{host}:{port}").text, "cache_config_probe_success") == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol import InvalidPayload, decode_static_labels
@@ -63,3 +64,22 @@ def test_too_many_labels_are_refused() -> None:
     document = "{" + ",".join(f'"l{index}": "v"' for index in range(129)) + "}"
     with pytest.raises(InvalidPayload, match="129 labels"):
         decode_static_labels(document.encode())
+
+
+@pytest.mark.parametrize("name", ["evil\n", "block_size\n", "engine\n", "deployment\n", "a\nb", "\n", "a\r", "a "])
+def test_a_name_with_a_line_break_or_space_anywhere_is_refused(name: str) -> None:
+    """A pattern ending in ``$`` would let a trailing newline through, and that newline ends the exposition line."""
+    with pytest.raises(InvalidPayload) as refused:
+        decode_static_labels(msgspec.json.encode({name: "x"}))
+    assert refused.value.field == f"$.{name}"
+
+
+def test_a_name_of_exactly_128_characters_is_accepted_and_129_refused() -> None:
+    assert decode_static_labels(msgspec.json.encode({"a" * 128: "x"})) == {"a" * 128: "x"}
+    with pytest.raises(InvalidPayload):
+        decode_static_labels(msgspec.json.encode({"a" * 129: "x"}))
+
+
+def test_exactly_128_labels_are_accepted() -> None:
+    document = {f"l{index}": "v" for index in range(128)}
+    assert decode_static_labels(msgspec.json.encode(document)) == document

@@ -77,6 +77,27 @@ def test_what_json_cannot_show_is_refused_under_any_key_with_its_path(
     assert refused.value.field == field and reason in refused.value.reason
 
 
+@pytest.mark.parametrize(
+    ("labels", "field"),
+    [
+        ({"evil\n": "x"}, "$.cache_config_info.evil\n"),
+        ({"mamba_cache_mode": "x"}, "$.cache_config_info.mamba_cache_mode"),
+        ({"block_size": "0"}, "$.cache_config_info.block_size"),
+        ({"enable_prefix_caching": "yes"}, "$.cache_config_info.enable_prefix_caching"),
+    ],
+)
+def test_the_responses_own_labels_get_the_checks_static_labels_get(labels: dict[str, str], field: str) -> None:
+    """The sync reads these labels whichever route brought them, so every route checks them alike."""
+    with pytest.raises(InvalidPayload) as refused:
+        decode_ready_response(_payload(cache_config_info=labels))
+    assert refused.value.field == field
+
+
+def test_the_responses_own_labels_pass_when_vllm_could_have_rendered_them() -> None:
+    labels = {"block_size": "16", "mamba_cache_mode": "align", "mamba_block_size": "None", "x": "a\nb"}
+    assert decode_ready_response(_payload(cache_config_info=labels)).cache_config_info == labels
+
+
 def _payload(**changes: object) -> bytes:
     document = msgspec.msgpack.decode(fixture_bytes("hybrid-tp1-post50809"))
     document.update(changes)
@@ -101,7 +122,7 @@ def _payload(**changes: object) -> bytes:
         ({"coord_store_port": 70000}, "$.coord_store_port"),
         ({"effective_attention_block_size": 0}, "$.effective_attention_block_size"),
         ({"cache_config_info": {"block_size": 16}}, "$.cache_config_info[...]"),
-        ({"cache_config_info": {"engine": "3"}}, "$.cache_config_info"),
+        ({"cache_config_info": {"engine": "3"}}, "$.cache_config_info.engine"),
         ({"vllm_config": [1]}, "$.vllm_config"),
         ({"prefix_hash_config": [1]}, "$.prefix_hash_config"),
         ({"prefix_hash_config": {"hash_block_size": 0}}, "$.prefix_hash_config.hash_block_size"),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import secrets
+import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +23,11 @@ from exporter.config.settings import Settings
 from exporter.security.auth import Credentials
 from exporter.security.web_config import load_web_config, watched_web_config
 from tests.helpers.exposition import samples
+from tests.helpers.figures import record
 from tests.helpers.http import MSGPACK, Reply, request
 from tests.helpers.ready_responses import ready_response
 from tests.helpers.tls import der_of, make_certificate, served_certificate
+from tests.probe.hostile import cpu_seconds
 from tests.support import ExporterProcess, wait_until
 
 BODY = ready_response(0, 42, 2)
@@ -85,14 +90,21 @@ def test_passwords_and_headers_rotate_without_a_restart(
     assert "reloaded" in exporter.log.read_text()
 
 
+def serving_one_user(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> tuple[ExporterProcess, Path, str]:
+    """An exporter whose web config has the user ``prometheus``: it, its web config and the password."""
+    password = secrets.token_urlsafe(16)
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n")
+    return start_exporter("--web.config.file", str(web_config)), web_config, password
+
+
 def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
     start_exporter: Callable[..., ExporterProcess], tmp_path: Path
 ) -> None:
-    password = secrets.token_urlsafe(16)
-    good = f"basic_auth_users:\n  prometheus: {bcrypt_hash(password)}\n"
-    web_config = tmp_path / "web.yml"
-    web_config.write_text(good)
-    exporter = start_exporter("--web.config.file", str(web_config))
+    exporter, web_config, password = serving_one_user(start_exporter, tmp_path)
+    good = web_config.read_text()
     right = basic("prometheus", password)
     leaked = "$2b$04$" + "x" * 20
     web_config.write_text(f"basic_auth_users:\n  prometheus: {leaked}\n")  # not a bcrypt hash
@@ -133,6 +145,9 @@ def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
         ("basic_auth_users:\n  a: $2y$10$x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
         ("basic_auth_users:\n  a: " + bcrypt_hash("p") + "x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
         ("basic_auth_users:\n  a: 12\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
+        ("basic_auth_users:\n  a: $2y$15$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 15, more than the 14"),
+        ("basic_auth_users:\n  a: $2y$99$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 99, more than the 14"),
+        ("basic_auth_users:\n  a: $2b$03$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 3, less than the 4"),
         (
             "basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n",
             "line 3",
@@ -173,6 +188,76 @@ def test_an_unknown_user_is_checked_at_the_highest_cost_among_the_users(tmp_path
     )
     config, _ = load_web_config(web_config)
     assert config.bcrypt_cost == 12
+
+
+@pytest.mark.parametrize("cost", [4, 14])
+def test_a_cost_at_either_bound_is_taken(tmp_path: Path, cost: int) -> None:
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(f"basic_auth_users:\n  a: $2y${cost:02d}${'a' * 53}\n")
+    config, _ = load_web_config(web_config)
+    assert config.bcrypt_cost == cost
+
+
+def test_a_cost_past_the_bound_stops_start_up_in_one_line_naming_the_file_and_user(tmp_path: Path) -> None:
+    """At cost 31 one anonymous guess held a core for hours: the file is refused before anything is served."""
+    web_config = tmp_path / "web.yml"
+    web_config.write_text(f"basic_auth_users:\n  prometheus: $2y$31${'a' * 53}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "serve", "--storage.path", str(tmp_path / "x.db"),
+         "--web.config.file", str(web_config), "--web.listen-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert f"--web.config.file {web_config}: $.basic_auth_users.prometheus has cost 31" in line
+
+
+def test_a_reload_past_the_cost_bound_keeps_the_last_good_users_and_says_so(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+) -> None:
+    exporter, web_config, password = serving_one_user(start_exporter, tmp_path)
+    right = basic("prometheus", password)
+    web_config.write_text(f"{web_config.read_text()}  mallory: $2y$31${'a' * 53}\n")
+    wait_until(lambda: reload_gauge(exporter, right, web_config) == 0.0)
+    assert scrape_status(exporter, basic("nobody", "guess")) == 401, "an unknown user is checked at the old cost"
+    assert scrape_status(exporter, right) == 200
+    log = exporter.log.read_text()
+    assert f"--web.config.file {web_config}: reload failed, keeping the last good content" in log
+    assert "$.basic_auth_users.mallory has cost 31" in log
+
+
+@pytest.mark.slow  # checks at cost 14, about 1.5 s each on the project machine
+def test_sigterm_during_checks_at_the_highest_cost_ends_within_the_shutdown_timeout(
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """Checks at the highest cost taken, an unknown user's among them, in flight when SIGTERM comes: no 500,
+    and the exporter is gone within its shutdown timeout and the check in progress (one check's time measured
+    here, in the same run, about 1.5 s on the project machine)."""
+    web_config = tmp_path / "web.yml"
+    hashed = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=14)).decode()
+    timed = time.monotonic()
+    bcrypt.checkpw(b"wrong", hashed.encode())
+    check_seconds = time.monotonic() - timed
+    web_config.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
+    exporter = start_exporter("--web.config.file", str(web_config), "--web.shutdown-timeout", "1")
+    assert scrape_status(exporter, basic("nobody", "guess")) == 401
+    before = cpu_seconds(exporter.process.pid)
+    guesses = [threading.Thread(target=guess, args=(exporter,), daemon=True) for _ in range(6)]
+    for thread in guesses:
+        thread.start()
+    wait_until(lambda: cpu_seconds(exporter.process.pid) - before > 0.3)  # a check is running
+    started = time.monotonic()
+    exporter.process.send_signal(signal.SIGTERM)
+    exporter.process.wait(timeout=30)
+    ended = time.monotonic() - started
+    record(record_property, "sigterm_during_cost_14_checks", guesses=len(guesses), exit_seconds=round(ended, 2),
+           check_seconds=round(check_seconds, 2))  # fmt: skip
+    assert ended < 1 + 2 * check_seconds + 1, "the shutdown timeout, a check begun as it ended, and a margin"
+
+
+def guess(exporter: ExporterProcess) -> None:
+    with contextlib.suppress(OSError):  # the connection closed by the shutdown
+        request(exporter.url, "GET", "/metrics", headers=basic("nobody", "guess"), timeout=30)
 
 
 def written_an_hour_ago(path: Path, content: bytes) -> None:

@@ -116,6 +116,19 @@ def test_comments_blank_lines_and_the_spaces_around_a_token_are_not_part_of_any_
     assert tokens_in(tmp_path, content) == {b"new-token", b"old-token"}
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_token(tmp_path: Path) -> None:
+    """A file saved by an editor that writes one: the token in it is accepted, as ``push`` and the plugin send it."""
+    assert tokens_in(tmp_path, "\ufeffnew-token\r\nold-token\r\n") == {b"new-token", b"old-token"}
+
+
+def test_a_file_that_is_not_utf8_is_refused_at_start_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_bytes(b"\xff\xfet\x00o\x00k\x00")
+    path.chmod(0o600)
+    with pytest.raises(SettingsError, match=f"--web.ingest-token-file {path}: not UTF-8 text"):
+        watched_tokens("--web.ingest-token-file", path).current()
+
+
 @pytest.mark.parametrize("content", ["# only a comment\n", "# one\n\n  # two\n"])
 def test_a_file_of_comments_alone_is_refused(tmp_path: Path, content: str) -> None:
     """Like an empty file, one whose tokens were all commented out is a mistake: it does not load."""

@@ -94,11 +94,13 @@ def test_push_reports_a_refusal_with_its_field_and_an_unreachable_exporter(
     assert unreachable.stderr.startswith(f"cache-config-exporter push: cannot reach {exporter.url}: ")
 
 
+@pytest.mark.parametrize("content", ["push-s3cr3t\n", "\ufeffpush-s3cr3t\r\n"], ids=["plain", "byte-order mark"])
 def test_push_sends_the_ingest_token_of_its_token_file(
-    start_exporter: Callable[..., ExporterProcess], tmp_path: Path
+    start_exporter: Callable[..., ExporterProcess], tmp_path: Path, content: str
 ) -> None:
+    """The exporter and ``push`` read one file alike, a byte-order mark (as Windows editors write) included."""
     token_file = tmp_path / "ingest.token"
-    token_file.write_text("push-s3cr3t\n")
+    token_file.write_text(content, encoding="utf-8")
     exporter = start_exporter("--web.ingest-token-file", str(token_file))
 
     refused = run_cli("push", str(HYBRID), "--url", exporter.url)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
@@ -239,6 +240,24 @@ DAMAGED = {
     "SQLite header, then garbage": (sqlite_header_then_garbage, "not a database"),
     "an exporter log file": (lambda path: path.write_bytes(fixture_bytes("dp2-rank0", "json") * 50), "not a database"),
 }
+
+
+def label_name_an_older_version_took(path: Path) -> None:
+    """A label name ending in a newline, as versions whose name pattern ended in ``$`` stored it."""
+    db = sqlite3.connect(path, isolation_level=None)
+    [[response]] = db.execute("SELECT response FROM engines WHERE deployment = 'd3'").fetchall()
+    document = msgspec.msgpack.decode(response)
+    document["cache_config_info"] = {**(document.get("cache_config_info") or {}), "evil\n": "x"}
+    db.execute("UPDATE engines SET response = ? WHERE deployment = 'd3'", (msgspec.msgpack.encode(document),))
+    db.close()
+
+
+DAMAGED["a response label name an older version took"] = (label_name_an_older_version_took, "'d3'")
+EVIL_STATIC = msgspec.json.encode({"evil\n": "x"}).decode()
+DAMAGED["a static label name an older version took"] = (
+    with_sql(f"UPDATE replicas SET static_config = '{EVIL_STATIC}' WHERE deployment = 'd5'"),
+    "'d5'",
+)
 
 
 def digest(directory: Path) -> dict[str, str]:
