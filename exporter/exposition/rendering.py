@@ -21,6 +21,8 @@ the format from their registry (reused until a count changes, and at most a
 second: the process metrics read /proc). For gzip each cached part ends on a byte
 boundary and keeps the CRC-32 of what it holds, and the tail is a deflate part of its
 own, so each scrape compresses only the small tail yet sends one valid gzip stream.
+A shard's lines (``exporter/exposition/shards.py``) are selected from a version's once per shard, and
+compressed on their own: the whole fleet's compressed part stays cached for unsharded scrapes.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from prometheus_client import CollectorRegistry
 
 from exporter.exposition.formats import GZIP_HEADER, GZIP_LEVEL, SELF_METRICS_SECONDS, Format, negotiate
 from exporter.exposition.lines import FleetLines, ReplicaLines
+from exporter.exposition.shards import Shard
 from exporter.exposition.telemetry import Telemetry
 from exporter.state.exporter_state import ExporterState, PerVersion
 
 # A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
 JOINED_BYTES = 4 << 20
+# Shards whose lines are kept for the current state version: more than the scrape jobs of any sharded setup.
+SHARDS_KEPT = 64
 
 
 class _Compressed:
@@ -130,12 +135,32 @@ class Exposition:
         self._telemetry = telemetry
         self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.fleet(replicas)))
         self._compressed: _Compressed | None = None
+        # Each shard asked for: the whole version's lines it was selected from, and its own.
+        self._selected: dict[Shard, tuple[_Rendered, _Rendered]] = {}
         self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
 
-    def is_fresh(self, gzip: bool) -> bool:
+    def is_fresh(self, gzip: bool, shard: Shard | None = None) -> bool:
         """True when ``render`` will neither render nor compress the large part (cheap on the event loop)."""
         rendered = self._rendered.fresh()
+        if rendered is not None and shard is not None:
+            selected = self._selected.get(shard)
+            rendered = selected[1] if selected is not None and selected[0] is rendered else None
         return rendered is not None and (rendered.has_gzip or not gzip)
+
+    def _shard(self, rendered: _Rendered, shard: Shard | None) -> _Rendered:
+        """The lines of ``shard`` of ``rendered`` (all of them for none), selected once per state version; of the
+        shards asked for, the last ``SHARDS_KEPT`` are kept."""
+        if shard is None:
+            return rendered
+        selected = self._selected.get(shard)
+        if selected is not None and selected[0] is rendered:
+            return selected[1]
+        lines = _Rendered(rendered.lines.select(shard.keeps))
+        self._selected.pop(shard, None)
+        self._selected[shard] = (rendered, lines)
+        while len(self._selected) > SHARDS_KEPT:
+            self._selected.pop(next(iter(self._selected)), None)
+        return lines
 
     def _config_gzip(self, lines: FleetLines) -> _Compressed:
         """The compressed config part, again only when the fleet's config lines changed (under a version's lock)."""
@@ -154,12 +179,13 @@ class Exposition:
             self._self_metrics[served] = cached
         return cached[1]
 
-    def render(self, accept: str, gzip: bool) -> tuple[Iterable[bytes], int, str]:
-        """The body (chunks to send in order, joined as they are sent), its length and its content type."""
+    def render(self, accept: str, gzip: bool, shard: Shard | None = None) -> tuple[Iterable[bytes], int, str]:
+        """The body (chunks to send in order, joined as they are sent), its length and its content type; with a
+        ``shard``, its deployments' lines only (the exporter's own metrics come with every shard)."""
         served = negotiate(accept)
-        rendered = self._rendered.current()
+        rendered = self._shard(self._rendered.current(), shard)
         tail = self._own_metrics(served) + served.end
         if not gzip:
             return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
-        body = rendered.gzip(self._config_gzip).finished(tail)
+        body = rendered.gzip(self._config_gzip if shard is None else _Compressed).finished(tail)
         return body, sum(map(len, body)), served.content_type

@@ -48,6 +48,7 @@ from exporter.server.queries import (
     HeartbeatQuery,
     LabelsQuery,
     ListQuery,
+    MetricsQuery,
     ProbeQuery,
     ReadyQuery,
     ReplicaQuery,
@@ -346,15 +347,17 @@ async def delete_deployment(request: Request) -> Response:
 
 
 async def get_metrics(request: Request) -> Response:
-    """The exposition, in the negotiated format, gzip-compressed when the client takes it."""
+    """The exposition, in the negotiated format, gzip-compressed when the client takes it; with ``?shard=i&
+    total_shards=n``, the lines of shard i of n of the deployments (and the exporter's own metrics)."""
     exporter = await _current(request)
     accept = request.headers.get("accept", "")
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
+    shard = parse_query(request, MetricsQuery).selected()
     exposition = exporter.exposition
-    if exposition.is_fresh(gzip):
-        chunks, length, content_type = exposition.render(accept, gzip)
+    if exposition.is_fresh(gzip, shard):
+        chunks, length, content_type = exposition.render(accept, gzip, shard)
     else:
-        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip)
+        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip, shard)
     headers = {"Vary": "Accept, Accept-Encoding"}
     if gzip:
         headers["Content-Encoding"] = "gzip"
