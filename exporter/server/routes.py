@@ -118,8 +118,8 @@ def _json(body: bytes, status: int = 200) -> Response:
     return Response(body, status, media_type="application/json")
 
 
-# A changed replica of up to this many engines is encoded on the event loop: its view (about 6 us an engine) costs
-# less than the thread pool's two hand-offs between threads; a larger one is encoded in the pool.
+# A changed replica of up to this many engines is encoded on the event loop: its view costs less than the thread
+# pool's two hand-offs between threads (docs/PERFORMANCE.md, run M); a larger one is encoded in the pool.
 INLINE_VIEW_ENGINES = 16
 
 
