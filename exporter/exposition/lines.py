@@ -294,6 +294,25 @@ class _Ordered(NamedTuple):
     generation: int
 
 
+class Segment(NamedTuple):
+    """Consecutive bytes strings of the config families as sent (each family's header, then each replica's lines
+    of it): the segment's number, its strings (a replica's is the same object while its lines are unchanged), and
+    the place of its first string in the families; the info family's replica strings are deflated."""
+
+    number: int
+    pieces: tuple[bytes, ...]
+    start: int
+    # Strings per family: its header and one a replica.
+    per_family: int
+
+    def text(self) -> bytes:
+        """The segment as sent."""
+        return b"".join(
+            _inflate(piece) if place < self.per_family and place % self.per_family else piece
+            for place, piece in enumerate(self.pieces, self.start)
+        )
+
+
 class FleetLines:
     """The cache-config families of a fleet, sent as chunks joined on demand (never one whole copy).
 
@@ -329,6 +348,18 @@ class FleetLines:
         liveness = [[lines[place] for place in chosen] for lines in self.liveness]
         order = [self.order[place] for place in chosen]
         return FleetLines(self.headers, order, parts, liveness, sum(map(_SIZE, parts)), -1)
+
+    def config_segments(self, size: int) -> Iterator[Segment]:
+        """The config families as sent, cut every ``size`` bytes strings (a family's header, a replica's lines of
+        it): where the replicas stay the same, a segment holds the same replicas' lines of the same families."""
+        headers = self.headers[: -len(LIVENESS)]
+        pieces = [headers[0], *(part.info for part in self.parts)]
+        for family, header in enumerate(headers[1:]):
+            pieces.append(header)
+            pieces.extend(part.config[family] for part in self.parts)
+        per_family = len(self.parts) + 1
+        for number, start in enumerate(range(0, len(pieces), size)):
+            yield Segment(number, tuple(pieces[start : start + size]), start, per_family)
 
     def config_chunks(self) -> Iterator[bytes]:
         """The config families; each replica's info lines are inflated as they are joined, none kept."""

@@ -28,6 +28,7 @@ compressed on their own: the whole fleet's compressed part stays cached for unsh
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 import threading
 import time
@@ -37,8 +38,9 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
 
+from exporter.exposition import crc32
 from exporter.exposition.formats import GZIP_HEADER, GZIP_LEVEL, SELF_METRICS_SECONDS, Format, negotiate
-from exporter.exposition.lines import FleetLines, ReplicaLines
+from exporter.exposition.lines import FleetLines, ReplicaLines, Segment
 from exporter.exposition.shards import Shard
 from exporter.exposition.telemetry import Telemetry
 from exporter.state.exporter_state import ExporterState, PerVersion
@@ -47,17 +49,70 @@ from exporter.state.exporter_state import ExporterState, PerVersion
 JOINED_BYTES = 4 << 20
 # Shards whose lines are kept for the current state version: more than the scrape jobs of any sharded setup.
 SHARDS_KEPT = 64
+# Bytes strings of the config families (a replica's lines of one, or a header) compressed together: a change
+# compresses again the parts that hold its replica's lines. A small fleet's config is one part.
+SEGMENT_PIECES = 128
 
 
-class _Compressed:
+class _Compressed(NamedTuple):
     """The start of every gzip stream while ``generation`` stays: the gzip header and the config families
-    raw-deflated up to a byte boundary (a sync flush), with their CRC-32 and length for the trailer."""
+    raw-deflated up to a byte boundary, with their CRC-32 and length for the trailer."""
 
-    def __init__(self, lines: FleetLines) -> None:
-        self.generation = lines.generation
+    generation: int
+    prefix: bytes
+    crc: int
+    size: int
+
+
+class _Part(NamedTuple):
+    """A segment's lines raw-deflated on their own up to a byte boundary (a sync flush: they refer to nothing
+    before them, and a part may follow), with what it holds: the CRC-32 and ``crc32.shift`` of its length."""
+
+    segment: Segment
+    deflated: bytes
+    crc: int
+    size: int
+    shift: int
+
+    @classmethod
+    def of(cls, segment: Segment) -> _Part:
+        text = segment.text()
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
-        compressed, self.crc, self.size = _deflated(compressor, lines.config_chunks())
-        self.prefix = GZIP_HEADER + compressed
+        deflated = compressor.compress(text) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        return cls(segment, deflated, zlib.crc32(text), len(text), crc32.shift(len(text)))
+
+    def holds(self, segment: Segment) -> bool:
+        """Whether this part is of ``segment``'s lines: the same objects in the same places."""
+        kept = self.segment
+        same_place = kept.start == segment.start and kept.per_family == segment.per_family
+        return (
+            same_place
+            and len(kept.pieces) == len(segment.pieces)
+            and all(map(operator.is_, kept.pieces, segment.pieces))
+        )
+
+
+class _Parts:
+    """The config families compressed in parts of ``SEGMENT_PIECES`` replicas' lines each: a part whose replicas'
+    lines are the same objects as at the last call is taken as it was, so a change of some replicas compresses
+    only their parts again, and the stream's CRC-32 is combined from the parts'. The parts of the last call are
+    kept, no others."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, _Part] = {}
+
+    def compressed(self, lines: FleetLines) -> _Compressed:
+        kept, fresh = self._kept, {}
+        deflated, crc, size = [GZIP_HEADER], 0, 0
+        for segment in lines.config_segments(SEGMENT_PIECES):
+            part = kept.get(segment.number)
+            if part is None or not part.holds(segment):
+                part = _Part.of(segment)
+            fresh[segment.number] = part
+            deflated.append(part.deflated)
+            crc, size = crc32.combine(crc, part.crc, part.shift), size + part.size
+        self._kept = fresh
+        return _Compressed(lines.generation, b"".join(deflated), crc, size)
 
 
 class _Rendered:
@@ -135,6 +190,7 @@ class Exposition:
         self._telemetry = telemetry
         self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.fleet(replicas)))
         self._compressed: _Compressed | None = None
+        self._parts = _Parts()
         # Each shard asked for: the whole version's lines it was selected from, and its own.
         self._selected: dict[Shard, tuple[_Rendered, _Rendered]] = {}
         self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
@@ -163,10 +219,11 @@ class Exposition:
         return lines
 
     def _config_gzip(self, lines: FleetLines) -> _Compressed:
-        """The compressed config part, again only when the fleet's config lines changed (under a version's lock)."""
+        """The compressed config part, again only when the fleet's config lines changed (under a version's lock),
+        and then only the parts of the replicas that changed."""
         compressed = self._compressed
         if compressed is None or compressed.generation != lines.generation or lines.generation < 0:
-            compressed = self._compressed = _Compressed(lines)
+            compressed = self._compressed = self._parts.compressed(lines)
         return compressed
 
     def _own_metrics(self, served: Format) -> bytes:
@@ -187,5 +244,5 @@ class Exposition:
         tail = self._own_metrics(served) + served.end
         if not gzip:
             return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
-        body = rendered.gzip(self._config_gzip if shard is None else _Compressed).finished(tail)
+        body = rendered.gzip(self._config_gzip if shard is None else _Parts().compressed).finished(tail)
         return body, sum(map(len, body)), served.content_type
