@@ -108,10 +108,13 @@ def ready_array(run: str, blocks: int) -> bytes:
     return msgspec.msgpack.encode(responses)
 
 
-def exporter_start(deployment: str, replica: str, run: str, blocks: int) -> tuple[Request, ...]:
+def exporter_start(
+    deployment: str, replica: str, run: str, blocks: int, heartbeats: bool = True
+) -> tuple[Request, ...]:
     """What the plugin sends as its server starts: the labels, then the engines in one request, with the promise
-    of its heartbeats (the interval every heartbeat then sends)."""
-    query = f"replica={replica}&heartbeat={HEARTBEAT_SECONDS:g}"
+    of its heartbeats (the interval every heartbeat then sends); without ``heartbeats``, none promised (a run
+    that sends none, whose replicas must not expire)."""
+    query = f"replica={replica}&heartbeat={HEARTBEAT_SECONDS:g}" if heartbeats else f"replica={replica}"
     base = f"/api/v1/deployments/{deployment}"
     return (
         Request("PUT", f"{base}/cache-config?{query}", JSON_LABELS, json.dumps(STATIC_LABELS).encode()),

@@ -4,7 +4,8 @@ python -m bench.storm [--replicas 10000] [--connections 32] [--budget 300] [--ou
 
 A fresh exporter with the default limits (only ``--web.max-connections`` raised, one connection a server) takes
 N vLLM servers of DP=8 as the fleet run starts them (``bench/fleet.py``: its labels, then its eight engines'
-ready responses in one msgpack array), 8 at a time, and is scraped once, as Prometheus would have meanwhile.
+ready responses in one msgpack array; no heartbeats promised, as the run sends none), 8 at a time, and is
+scraped once, as Prometheus would have meanwhile.
 Then every server starts a new run at once (its labels and eight changed responses again) from ``--connections``
 requests in flight, while a scraper asks for ``/metrics`` (gzip, as Prometheus does) every second on a
 connection of its own. Reported: the seconds until every restart was acknowledged; until a scrape showed every
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import aio
-from bench.fleet import FILL_IN_FLIGHT, KEEP_ALIVE_SECONDS, SCRAPE, Work, replica_names
+from bench.fleet import FILL_IN_FLIGHT, KEEP_ALIVE_SECONDS, SCRAPE, exporter_start, replica_names
 from bench.load import DATA_PARALLEL, Client
 from bench.procs import HOST, Server, peak_rss_mb, rss_mb
 
@@ -39,20 +40,29 @@ INFO = b"cache_config_info{"
 _BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
 
 
+def _starts(kind: str, names: Sequence[tuple[str, str]], run: str, blocks: int) -> list[aio.Event]:
+    """Every server's start, all due at once, as the plugin sends it but promising no heartbeats: the run sends
+    none, and a replica that promised them would expire while a slow fill or storm goes on."""
+    return [
+        aio.Event(0.0, kind, exporter_start(deployment, replica, run, blocks, heartbeats=False),
+                  client=f"{deployment}/{replica}")
+        for deployment, replica in names
+    ]  # fmt: skip
+
+
 async def _storm(server: Server, names: Sequence[tuple[str, str]], connections: int, budget: float) -> dict[str, Any]:
     """Fill, one scrape, then the storm with the scraper running until every restart is answered."""
-    work = Work("exporter", {})
     kept = aio.Connections(server.port)
     try:
         fill = aio.Tally()
         start = time.monotonic()
-        events = [work.start(0.0, "start", d, replica, "run-0", FILL_BLOCKS) for d, replica in names]
+        events = _starts("start", names, "run-0", FILL_BLOCKS)
         await aio.drive(kept, events, FILL_IN_FLIGHT, start, start + budget, fill)
         filled = time.monotonic() - start
         await asyncio.to_thread(_scrape, server, "gzip")
         before = rss_mb(server.pid)
         storm = aio.Tally()
-        events = [work.start(0.0, "restart", d, replica, "run-1", STORM_BLOCKS) for d, replica in names]
+        events = _starts("restart", names, "run-1", STORM_BLOCKS)
         stop = asyncio.Event()
         start = time.monotonic()
         scraper = asyncio.create_task(aio.scrape(server.port, SCRAPE, SCRAPE_SECONDS, start, start + budget, stop))

@@ -11,7 +11,11 @@ kept deflated). A scrape of a large fleet
 sends them in chunks joined as they go, so no whole copy of it is ever held (a
 small body is joined once per state version);
 for gzip the config families (everything but last-seen, which is last) are
-compressed once per change of any replica's config, and the liveness lines go
+compressed in parts of a few replicas' lines each, and after a change of some
+replicas' config only the parts holding their lines are compressed again (the
+CRC-32 of the stream combined from the parts', ``exporter/exposition/crc32.py``:
+a restart storm's scrape compresses what restarted since the last one, not the
+fleet); the liveness lines go
 stored (deflate's blocks without compression): they change with every heartbeat,
 so each new state version would compress them anew for each scrape. The families are
 gauges, whose lines are the same in both formats, so text and OpenMetrics
