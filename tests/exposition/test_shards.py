@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from exporter.exposition.rendering import SHARDS_KEPT
 from exporter.exposition.shards import MAX_SHARDS, Shard, fnv1a_32
 from tests.helpers.exposition import cache_config_samples
 from tests.support import fixture_bytes
@@ -100,3 +101,15 @@ def test_the_shard_query_at_its_bounds_and_one_past_them(client: TestClient, que
     assert answer.status_code == 422
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert answer.json()["field"] == field
+
+
+def test_the_lines_of_the_last_shards_kept_are_kept_and_one_more_drops_the_oldest(client: TestClient) -> None:
+    fleet(client)
+    exposition = client.app.state.exporter.exposition  # type: ignore[attr-defined]
+    total = SHARDS_KEPT + 1
+    for index in range(SHARDS_KEPT):
+        assert client.get(f"/metrics?shard={index}&total_shards={total}").status_code == 200
+    assert all(exposition.is_fresh(False, Shard(index, total)) for index in range(SHARDS_KEPT)), "at the bound"
+    assert client.get(f"/metrics?shard={SHARDS_KEPT}&total_shards={total}").status_code == 200  # one past it
+    assert not exposition.is_fresh(False, Shard(0, total)), "the oldest is dropped"
+    assert all(exposition.is_fresh(False, Shard(index, total)) for index in range(1, total))
