@@ -347,8 +347,10 @@ async def delete_deployment(request: Request) -> Response:
 
 
 async def get_metrics(request: Request) -> Response:
-    """The exposition, in the negotiated format, gzip-compressed when the client takes it; with ``?shard=i&
-    total_shards=n``, the lines of shard i of n of the deployments (and the exporter's own metrics)."""
+    """The exposition, in the negotiated format, gzip-compressed when the client takes it; a shard when asked.
+
+    With `?shard=i&total_shards=n`, the lines of shard i of n of the deployments, and the exporter's own metrics.
+    """
     exporter = await _current(request)
     accept = request.headers.get("accept", "")
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
