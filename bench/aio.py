@@ -168,15 +168,18 @@ async def drive(
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def scrape(port: int, request: Request, interval: float, start: float, deadline: float) -> list[list[float]]:
-    """Scrape every ``interval`` seconds until ``deadline``: [offset, seconds, bytes] of each.
+async def scrape(
+    port: int, request: Request, interval: float, start: float, deadline: float, stop: asyncio.Event | None = None
+) -> list[list[float]]:
+    """Scrape every ``interval`` seconds until ``deadline``, or until ``stop`` is set: [offset, seconds, bytes] of
+    each.
 
     Each scrape on a connection of its own: servers close idle keep-alive connections within seconds (uvicorn
     after 5), and a scrape every 15 s would find its connection closed.
     """
     scrapes: list[list[float]] = []
     due = start
-    while due < deadline:
+    while due < deadline and not (stop is not None and stop.is_set()):
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         begun = time.monotonic()
         reader, writer = await asyncio.open_connection(HOST, port)

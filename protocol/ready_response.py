@@ -234,18 +234,25 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
 
     The whole payload must be well-formed and showable as JSON, unknown keys included: it is kept and shown as sent.
     """
+    return decode_shown_ready_response(payload, wire_format)[0]
+
+
+def decode_shown_ready_response(payload: bytes, wire_format: str = MSGPACK) -> tuple[EngineCoreReadyResponse, bytes]:
+    """``decode_ready_response``, and the payload as JSON (what ``shown_as_json`` gives): the check that it can be
+    shown encodes it anyway, so whoever measures or answers that view takes it from here, not by decoding again."""
     if not payload:
         raise MalformedPayload("$", "the body is empty: expected one ready response")
     try:
         if wire_format == MSGPACK:
             as_sent = _raw_decoders[MSGPACK].decode(payload)
             try:
-                _json_encoder.encode(as_sent)
+                shown = _json_encoder.encode(as_sent)
             except TypeError:
                 raise InvalidPayload(*_not_shown(as_sent)) from None
             del as_sent  # decoded, it may take 70 times its bytes: gone before the next step allocates
         else:
             _raw_decoders[JSON].decode(payload)
+            shown = payload
         response: EngineCoreReadyResponse = _decoders[wire_format].decode(payload)
     except msgspec.DecodeError as error:
         raise InvalidPayload.from_msgspec(error) from None
@@ -254,7 +261,7 @@ def decode_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineC
     _check_free_form(response, wire_format)
     if is_set(response.cache_config_info):
         check_labels(response.cache_config_info, "$.cache_config_info")
-    return response
+    return response, shown
 
 
 def decode_accepted_ready_response(payload: bytes, wire_format: str = MSGPACK) -> EngineCoreReadyResponse:

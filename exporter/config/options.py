@@ -113,8 +113,9 @@ class StateOptions:
     max_engines_per_deployment: int = setting(
         1_024, "--limits.engines-per-deployment", "most engines kept per replica of a deployment"
     )
+    # 80,000 engines of DP=8 servers (a hybrid model's, about 310 engines a MiB) with half again to spare.
     max_bytes: int = setting(
-        128 << 20,
+        384 << 20,
         "--limits.bytes",
         "most bytes all deployments take: the rendered exposition, the ready responses as received and as JSON",
     )

@@ -9,7 +9,7 @@ import itertools
 import operator
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from prometheus_client.utils import floatToGoString
@@ -232,7 +232,7 @@ class ReplicaLines:
             ordered = self._ordered
             if ordered is not None and ordered.replicas is replicas:
                 self._lent = True
-                return FleetLines(self.headers, ordered)
+                return FleetLines.of(self.headers, ordered)
         before = self.generation
         own = 0  # the generation's moves made here
         if ordered is None or ordered.replicas.key_set is not replicas.key_set:
@@ -267,7 +267,7 @@ class ReplicaLines:
         ordered = _Ordered(replicas, order, position, parts, liveness, length, generation)
         with self._ordered_lock:
             self._ordered, self._lent = ordered, True
-        return FleetLines(self.headers, ordered)
+        return FleetLines.of(self.headers, ordered)
 
 
 _REPLICA = operator.itemgetter(0)
@@ -294,6 +294,25 @@ class _Ordered(NamedTuple):
     generation: int
 
 
+class Segment(NamedTuple):
+    """Consecutive bytes strings of the config families as sent (each family's header, then each replica's lines
+    of it): the segment's number, its strings (a replica's is the same object while its lines are unchanged), and
+    the place of its first string in the families; the info family's replica strings are deflated."""
+
+    number: int
+    pieces: tuple[bytes, ...]
+    start: int
+    # Strings per family: its header and one a replica.
+    per_family: int
+
+    def text(self) -> bytes:
+        """The segment as sent."""
+        return b"".join(
+            _inflate(piece) if place < self.per_family and place % self.per_family else piece
+            for place, piece in enumerate(self.pieces, self.start)
+        )
+
+
 class FleetLines:
     """The cache-config families of a fleet, sent as chunks joined on demand (never one whole copy).
 
@@ -301,12 +320,46 @@ class FleetLines:
     cached gzip-compressed while ``generation`` stays, whatever heartbeats change after it.
     """
 
-    def __init__(self, headers: Sequence[bytes], ordered: _Ordered) -> None:
+    def __init__(
+        self,
+        headers: Sequence[bytes],
+        order: Sequence[ReplicaKey],
+        parts: Sequence[ReplicaPart],
+        liveness: Sequence[Sequence[bytes]],
+        length: int,
+        generation: int,
+    ) -> None:
         self.headers = headers
-        self.parts = ordered.parts
-        self.liveness = ordered.liveness
-        self.generation = ordered.generation
-        self.length = sum(map(len, headers)) + ordered.length
+        self.order = order
+        self.parts = parts
+        self.liveness = liveness
+        self.generation = generation
+        self.length = sum(map(len, headers)) + length
+
+    @classmethod
+    def of(cls, headers: Sequence[bytes], ordered: _Ordered) -> FleetLines:
+        return cls(headers, ordered.order, ordered.parts, ordered.liveness, ordered.length, ordered.generation)
+
+    def select(self, keeps: Callable[[ReplicaKey], bool]) -> FleetLines:
+        """The lines of the replicas ``keeps`` keeps (a shard's), in the same order; named by no generation (-1),
+        so that the cache of the whole fleet's compressed lines never takes them for its own."""
+        chosen = [place for place, key in enumerate(self.order) if keeps(key)]
+        parts = [self.parts[place] for place in chosen]
+        liveness = [[lines[place] for place in chosen] for lines in self.liveness]
+        order = [self.order[place] for place in chosen]
+        return FleetLines(self.headers, order, parts, liveness, sum(map(_SIZE, parts)), -1)
+
+    def config_segments(self, size: int) -> Iterator[Segment]:
+        """The config families as sent, cut every ``size`` bytes strings (a family's header, a replica's lines of
+        it): where the replicas stay the same, a segment holds the same replicas' lines of the same families."""
+        headers = self.headers[: -len(LIVENESS)]
+        pieces = [headers[0], *(part.info for part in self.parts)]
+        for family, header in enumerate(headers[1:]):
+            pieces.append(header)
+            pieces.extend(part.config[family] for part in self.parts)
+        per_family = len(self.parts) + 1
+        for number, start in enumerate(range(0, len(pieces), size)):
+            yield Segment(number, tuple(pieces[start : start + size]), start, per_family)
 
     def config_chunks(self) -> Iterator[bytes]:
         """The config families; each replica's info lines are inflated as they are joined, none kept."""

@@ -11,7 +11,11 @@ kept deflated). A scrape of a large fleet
 sends them in chunks joined as they go, so no whole copy of it is ever held (a
 small body is joined once per state version);
 for gzip the config families (everything but last-seen, which is last) are
-compressed once per change of any replica's config, and the liveness lines go
+compressed in parts of a few replicas' lines each, and after a change of some
+replicas' config only the parts holding their lines are compressed again (the
+CRC-32 of the stream combined from the parts', ``exporter/exposition/crc32.py``:
+a restart storm's scrape compresses what restarted since the last one, not the
+fleet); the liveness lines go
 stored (deflate's blocks without compression): they change with every heartbeat,
 so each new state version would compress them anew for each scrape. The families are
 gauges, whose lines are the same in both formats, so text and OpenMetrics
@@ -21,11 +25,14 @@ the format from their registry (reused until a count changes, and at most a
 second: the process metrics read /proc). For gzip each cached part ends on a byte
 boundary and keeps the CRC-32 of what it holds, and the tail is a deflate part of its
 own, so each scrape compresses only the small tail yet sends one valid gzip stream.
+A shard's lines (``exporter/exposition/shards.py``) are selected from a version's once per shard, and
+compressed on their own: the whole fleet's compressed part stays cached for unsharded scrapes.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 import threading
 import time
@@ -35,24 +42,81 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
 
+from exporter.exposition import crc32
 from exporter.exposition.formats import GZIP_HEADER, GZIP_LEVEL, SELF_METRICS_SECONDS, Format, negotiate
-from exporter.exposition.lines import FleetLines, ReplicaLines
+from exporter.exposition.lines import FleetLines, ReplicaLines, Segment
+from exporter.exposition.shards import Shard
 from exporter.exposition.telemetry import Telemetry
 from exporter.state.exporter_state import ExporterState, PerVersion
 
 # A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
 JOINED_BYTES = 4 << 20
+# Shards whose lines are kept for the current state version: more than the scrape jobs of any sharded setup.
+SHARDS_KEPT = 64
+# Bytes strings of the config families (a replica's lines of one, or a header) compressed together: a change
+# compresses again the parts that hold its replica's lines. A small fleet's config is one part.
+SEGMENT_PIECES = 128
 
 
-class _Compressed:
+class _Compressed(NamedTuple):
     """The start of every gzip stream while ``generation`` stays: the gzip header and the config families
-    raw-deflated up to a byte boundary (a sync flush), with their CRC-32 and length for the trailer."""
+    raw-deflated up to a byte boundary, with their CRC-32 and length for the trailer."""
 
-    def __init__(self, lines: FleetLines) -> None:
-        self.generation = lines.generation
+    generation: int
+    prefix: bytes
+    crc: int
+    size: int
+
+
+class _Part(NamedTuple):
+    """A segment's lines raw-deflated on their own up to a byte boundary (a sync flush: they refer to nothing
+    before them, and a part may follow), with what it holds: the CRC-32 and ``crc32.shift`` of its length."""
+
+    segment: Segment
+    deflated: bytes
+    crc: int
+    size: int
+    shift: int
+
+    @classmethod
+    def of(cls, segment: Segment) -> _Part:
+        text = segment.text()
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
-        compressed, self.crc, self.size = _deflated(compressor, lines.config_chunks())
-        self.prefix = GZIP_HEADER + compressed
+        deflated = compressor.compress(text) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        return cls(segment, deflated, zlib.crc32(text), len(text), crc32.shift(len(text)))
+
+    def holds(self, segment: Segment) -> bool:
+        """Whether this part is of ``segment``'s lines: the same objects in the same places."""
+        kept = self.segment
+        same_place = kept.start == segment.start and kept.per_family == segment.per_family
+        return (
+            same_place
+            and len(kept.pieces) == len(segment.pieces)
+            and all(map(operator.is_, kept.pieces, segment.pieces))
+        )
+
+
+class _Parts:
+    """The config families compressed in parts of ``SEGMENT_PIECES`` replicas' lines each: a part whose replicas'
+    lines are the same objects as at the last call is taken as it was, so a change of some replicas compresses
+    only their parts again, and the stream's CRC-32 is combined from the parts'. The parts of the last call are
+    kept, no others."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, _Part] = {}
+
+    def compressed(self, lines: FleetLines) -> _Compressed:
+        kept, fresh = self._kept, {}
+        deflated, crc, size = [GZIP_HEADER], 0, 0
+        for segment in lines.config_segments(SEGMENT_PIECES):
+            part = kept.get(segment.number)
+            if part is None or not part.holds(segment):
+                part = _Part.of(segment)
+            fresh[segment.number] = part
+            deflated.append(part.deflated)
+            crc, size = crc32.combine(crc, part.crc, part.shift), size + part.size
+        self._kept = fresh
+        return _Compressed(lines.generation, b"".join(deflated), crc, size)
 
 
 class _Rendered:
@@ -130,18 +194,40 @@ class Exposition:
         self._telemetry = telemetry
         self._rendered = PerVersion(state, lambda replicas: _Rendered(lines.fleet(replicas)))
         self._compressed: _Compressed | None = None
+        self._parts = _Parts()
+        # Each shard asked for: the whole version's lines it was selected from, and its own.
+        self._selected: dict[Shard, tuple[_Rendered, _Rendered]] = {}
         self._self_metrics: dict[Format, tuple[tuple[object, ...], bytes]] = {}
 
-    def is_fresh(self, gzip: bool) -> bool:
+    def is_fresh(self, gzip: bool, shard: Shard | None = None) -> bool:
         """True when ``render`` will neither render nor compress the large part (cheap on the event loop)."""
         rendered = self._rendered.fresh()
+        if rendered is not None and shard is not None:
+            selected = self._selected.get(shard)
+            rendered = selected[1] if selected is not None and selected[0] is rendered else None
         return rendered is not None and (rendered.has_gzip or not gzip)
 
+    def _shard(self, rendered: _Rendered, shard: Shard | None) -> _Rendered:
+        """The lines of ``shard`` of ``rendered`` (all of them for none), selected once per state version; of the
+        shards asked for, the last ``SHARDS_KEPT`` are kept."""
+        if shard is None:
+            return rendered
+        selected = self._selected.get(shard)
+        if selected is not None and selected[0] is rendered:
+            return selected[1]
+        lines = _Rendered(rendered.lines.select(shard.keeps))
+        self._selected.pop(shard, None)
+        self._selected[shard] = (rendered, lines)
+        while len(self._selected) > SHARDS_KEPT:
+            self._selected.pop(next(iter(self._selected)), None)
+        return lines
+
     def _config_gzip(self, lines: FleetLines) -> _Compressed:
-        """The compressed config part, again only when the fleet's config lines changed (under a version's lock)."""
+        """The compressed config part, again only when the fleet's config lines changed (under a version's lock),
+        and then only the parts of the replicas that changed."""
         compressed = self._compressed
         if compressed is None or compressed.generation != lines.generation or lines.generation < 0:
-            compressed = self._compressed = _Compressed(lines)
+            compressed = self._compressed = self._parts.compressed(lines)
         return compressed
 
     def _own_metrics(self, served: Format) -> bytes:
@@ -154,12 +240,13 @@ class Exposition:
             self._self_metrics[served] = cached
         return cached[1]
 
-    def render(self, accept: str, gzip: bool) -> tuple[Iterable[bytes], int, str]:
-        """The body (chunks to send in order, joined as they are sent), its length and its content type."""
+    def render(self, accept: str, gzip: bool, shard: Shard | None = None) -> tuple[Iterable[bytes], int, str]:
+        """The body (chunks to send in order, joined as they are sent), its length and its content type; with a
+        ``shard``, its deployments' lines only (the exporter's own metrics come with every shard)."""
         served = negotiate(accept)
-        rendered = self._rendered.current()
+        rendered = self._shard(self._rendered.current(), shard)
         tail = self._own_metrics(served) + served.end
         if not gzip:
             return itertools.chain(rendered.text(), (tail,)), rendered.lines.length + len(tail), served.content_type
-        body = rendered.gzip(self._config_gzip).finished(tail)
+        body = rendered.gzip(self._config_gzip if shard is None else _Parts().compressed).finished(tail)
         return body, sum(map(len, body)), served.content_type

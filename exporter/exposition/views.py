@@ -6,9 +6,12 @@ embedded as it came): the status page, which does not show them, takes a view wi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import msgspec
 
-from exporter.state.replicas import Replica
+from exporter.state.replicas import EngineReport, Replica
 from protocol import EngineFigures, shown_as_json
 
 
@@ -48,8 +51,9 @@ _OF_REPLICA = ("deployment", "instance_id", "heartbeat_seconds", "last_seen", "s
 _OF_SYNC = ("mamba_cache_mode", "labels", "max_model_len", "dp_stats_address", "data_parallel_size", "distinct_values")
 
 
-def view(replica: Replica, responses: bool = True) -> ReplicaView:
-    """A replica's view; with ``responses``, every key each engine sent (which the status page does not show)."""
+def view(replica: Replica, responses: bool = True, shown: Mapping[int, bytes] = MappingProxyType({})) -> ReplicaView:
+    """A replica's view; with ``responses``, every key each engine sent (which the status page does not show);
+    ``shown``: engines' responses as JSON already made (by the decode of a request that sent them)."""
     synced = replica.synced
     engines = [
         EngineView(
@@ -57,7 +61,7 @@ def view(replica: Replica, responses: bool = True) -> ReplicaView:
             received_at=report.received_at,
             wire_format=report.wire_format,
             figures=synced.engines[index],
-            response=shown_as_json(report.payload, report.wire_format) if responses else None,
+            response=(_shown(report, shown.get(index)) if responses else None),
         )
         for index, report in sorted(replica.engines.items())
     ]
@@ -70,6 +74,10 @@ def view(replica: Replica, responses: bool = True) -> ReplicaView:
     )
 
 
-def encode_view(replica: Replica) -> bytes:
-    """A replica's view as JSON."""
-    return _json.encode(view(replica))
+def _shown(report: EngineReport, shown: bytes | None) -> msgspec.Raw:
+    return shown_as_json(report.payload, report.wire_format) if shown is None else msgspec.Raw(shown)
+
+
+def encode_view(replica: Replica, shown: Mapping[int, bytes] = MappingProxyType({})) -> bytes:
+    """A replica's view as JSON (``shown``: as ``view`` takes it)."""
+    return _json.encode(view(replica, shown=shown))

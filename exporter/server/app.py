@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -42,6 +43,7 @@ from exporter.server.gc_freeze import freeze_survivors
 from exporter.server.openapi import openapi_document
 from exporter.server.pages import StatusPage
 from exporter.server.problems import Problem, problem_for, problem_response
+from exporter.server.queries import MetricsQuery
 from exporter.server.quick_heartbeats import QuickHeartbeats
 from exporter.server.request_guard import RequestGuard
 from exporter.server.response_headers import ResponseHeaders
@@ -112,9 +114,13 @@ def _guarded(
     return allowed_hosts
 
 
-def _served(settings: Settings, endpoints: Sequence[Endpoint], metrics: Handler) -> tuple[Endpoint, ...]:
-    """``endpoints``, then ``metrics`` at ``--web.telemetry-path``."""
-    telemetry = Endpoint(settings.telemetry_path, ("GET",), Access.READ, metrics, answers=EXPOSITION_MEDIA_TYPES)
+def _served(
+    settings: Settings, endpoints: Sequence[Endpoint], metrics: Handler, query: type[msgspec.Struct] | None = None
+) -> tuple[Endpoint, ...]:
+    """``endpoints``, then ``metrics`` at ``--web.telemetry-path``, taking ``query``."""
+    telemetry = Endpoint(
+        settings.telemetry_path, ("GET",), Access.READ, metrics, query=query, answers=EXPOSITION_MEDIA_TYPES
+    )
     return (*endpoints, telemetry)
 
 
@@ -193,7 +199,7 @@ def create_app(
         store.close()
 
     status = StatusPage(state, settings.telemetry_path, clock)
-    served = _served(settings, ENDPOINTS, get_metrics)
+    served = _served(settings, ENDPOINTS, get_metrics, MetricsQuery)
     document = openapi_document(TITLE, __version__, served)
     parts = Exporter(
         prober, document, state, telemetry, exposition, listing, status, settings.telemetry_path, clock,

@@ -27,7 +27,7 @@ from protocol import (
     InvalidPayload,
     MalformedPayload,
     check_engine_index,
-    decode_ready_response,
+    decode_shown_ready_response,
 )
 from protocol.ready_response import MSGPACK
 
@@ -82,8 +82,8 @@ async def ingest_array(
     reports, refused, places = [], {}, {}
     for index, item in enumerate(items):
         try:
-            response = decode_ready_response(item, wire_format)
-            report = EngineReady(engine_of(None, response), response, item, wire_format)
+            response, shown = decode_shown_ready_response(item, wire_format)
+            report = EngineReady(engine_of(None, response), response, item, wire_format, shown)
         except InvalidPayload as error:
             refused[index] = error
             continue

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from exporter.config.allowlist import MAX_TARGET
 from exporter.errors import InvalidRequest, UnsupportedMediaType
+from exporter.exposition.shards import MAX_SHARDS, Shard
 from protocol import (
     InvalidPayload,
 )
@@ -136,6 +137,31 @@ class ProbeQuery(msgspec.Struct, frozen=True):
         | None
     ) = None
     debug: Annotated[bool, msgspec.Meta(description="Answer the probe's log and its metrics as plain text.")] = False
+
+
+class MetricsQuery(msgspec.Struct, frozen=True):
+    """A shard of the exposition (``exporter/exposition/shards.py``): both or neither."""
+
+    shard: (
+        Annotated[int, msgspec.Meta(ge=0, lt=MAX_SHARDS, description="This scrape's shard: 0 to total_shards - 1.")]
+        | None
+    ) = None
+    total_shards: (
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_SHARDS, description="Shards the deployments are split into.")] | None
+    ) = None
+
+    def selected(self) -> Shard | None:
+        """The shard asked for, ``None`` for the whole; a 422 naming the parameter when one comes alone or the
+        shard is not below the total."""
+        if self.shard is None and self.total_shards is None:
+            return None
+        if self.shard is None:
+            raise InvalidRequest("query.shard", "total_shards needs shard: the shard of this scrape")
+        if self.total_shards is None:
+            raise InvalidRequest("query.total_shards", "shard needs total_shards: how many shards there are")
+        if self.shard >= self.total_shards:
+            raise InvalidRequest("query.shard", f"{self.shard} is not below total_shards, {self.total_shards}")
+        return Shard(self.shard, self.total_shards)
 
 
 Q = TypeVar("Q", bound=msgspec.Struct)

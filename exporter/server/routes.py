@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -45,6 +46,7 @@ from exporter.server.queries import (
     HeartbeatQuery,
     LabelsQuery,
     ListQuery,
+    MetricsQuery,
     ProbeQuery,
     ReadyQuery,
     ReplicaQuery,
@@ -55,7 +57,7 @@ from exporter.server.queries import (
 from exporter.state.exporter_state import ExporterState
 from exporter.state.replicas import Replica, ReplicaKey
 from protocol import (
-    decode_ready_response,
+    decode_shown_ready_response,
     decode_static_labels,
 )
 
@@ -97,9 +99,17 @@ def _json(body: bytes, status: int = 200) -> Response:
     return Response(body, status, media_type="application/json")
 
 
-async def _shown(replica: Replica) -> Response:
-    """A changed replica's view, encoded in the thread pool: it decodes what each of its engines sent."""
-    return _json(await run_in_threadpool(encode_view, replica))
+# A changed replica of up to this many engines is encoded on the event loop: its view costs less than the thread
+# pool's two hand-offs between threads (docs/PERFORMANCE.md, run M); a larger one is encoded in the pool.
+INLINE_VIEW_ENGINES = 16
+
+
+async def _shown(replica: Replica, shown: Mapping[int, bytes] = MappingProxyType({})) -> Response:
+    """A changed replica's view: it decodes what each of its engines sent (but those in ``shown``, sent as JSON by
+    this request), in the thread pool unless the replica is small."""
+    if len(replica.engines) <= INLINE_VIEW_ENGINES:
+        return _json(encode_view(replica, shown))
+    return _json(await run_in_threadpool(encode_view, replica, shown))
 
 
 async def _catch_up(exporter: Exporter) -> None:
@@ -132,10 +142,10 @@ async def post_ready(request: Request, exporter: Exporter, query: ReadyQuery) ->
         return await ingest_array(
             request, exporter.state, exporter.telemetry.reject, key, items, wire_format, query.heartbeat
         )
-    response = decode_ready_response(payload, wire_format)
+    response, shown = decode_shown_ready_response(payload, wire_format)
     index = engine_of(query.engine, response)
-    change = exporter.state.apply_ready(key, index, response, payload, wire_format, query.heartbeat)
-    return await _shown(await _committed(change))
+    change = exporter.state.apply_ready(key, index, response, payload, wire_format, query.heartbeat, shown)
+    return await _shown(await _committed(change), {index: shown})
 
 
 async def put_cache_config(request: Request, exporter: Exporter, query: LabelsQuery) -> Response:
@@ -224,16 +234,20 @@ async def delete_deployment(request: Request, exporter: Exporter, query: Goodbye
     return Response(status_code=204)
 
 
-async def get_metrics(request: Request, exporter: Exporter, _: None) -> Response:
-    """The exposition, in the negotiated format, gzip-compressed when the client takes it."""
+async def get_metrics(request: Request, exporter: Exporter, query: MetricsQuery) -> Response:
+    """The exposition, in the negotiated format, gzip-compressed when the client takes it; a shard when asked.
+
+    With `?shard=i&total_shards=n`, the lines of shard i of n of the deployments, and the exporter's own metrics.
+    """
     await _catch_up(exporter)
     accept = request.headers.get("accept", "")
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
+    shard = query.selected()
     exposition = exporter.exposition
-    if exposition.is_fresh(gzip):
-        chunks, length, content_type = exposition.render(accept, gzip)
+    if exposition.is_fresh(gzip, shard):
+        chunks, length, content_type = exposition.render(accept, gzip, shard)
     else:
-        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip)
+        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip, shard)
     headers = {"Vary": "Accept, Accept-Encoding"}
     if gzip:
         headers["Content-Encoding"] = "gzip"

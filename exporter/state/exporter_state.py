@@ -111,14 +111,16 @@ class ExporterState:
         payload: bytes,
         wire_format: str,
         heartbeat_seconds: float | None = None,
+        shown: bytes | None = None,
     ) -> Future[object]:
-        """Take one engine's ready response (decoded, and its bytes as received); the future's result is the replica.
+        """Take one engine's ready response (decoded, its bytes as received and, when the decode made them, as
+        JSON: ``shown``); the future's result is the replica.
 
         A new ``instance_id`` drops the replica's previous run's engines, and no other replica's.
         The future fails with ``SyncConflict`` or ``LimitExceeded`` (nothing changed) when
         the change is refused, and with ``StorageUnavailable`` when it cannot be committed.
         """
-        report = EngineReady(engine, response, payload, wire_format)
+        report = EngineReady(engine, response, payload, wire_format, shown)
 
         def change(batch: Batch) -> Replica | None:
             outcome = changes.ready(self._rules, batch, key, (report,), heartbeat_seconds)

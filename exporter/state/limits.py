@@ -84,13 +84,15 @@ class ByteBudget:
         return LimitExceeded(
             "bytes",
             f"replica {key[1]!r} of {key[0]!r} would take the exposition and JSON state to {used} bytes, past "
-            f"the budget of {self._budget} bytes (--limits.bytes)",
+            f"the budget of {self._budget} bytes (--limits.bytes; {batch.used_bytes} bytes in use now): raise "
+            "--limits.bytes to hold more",
         )
 
-    def full(self, key: ReplicaKey) -> LimitExceeded:
+    def full(self, batch: Staged, key: ReplicaKey) -> LimitExceeded:
         """The refusal of a response after the one that took the replica to the budget, in one array."""
         return LimitExceeded(
             "bytes",
-            f"replica {key[1]!r} of {key[0]!r} is at the budget of {self._budget} bytes (--limits.bytes) with the "
-            "responses before this one in its array, and one of them was refused for it",
+            f"replica {key[1]!r} of {key[0]!r} is at the budget of {self._budget} bytes (--limits.bytes; "
+            f"{batch.used_bytes} bytes in use now) with the responses before this one in its array, and one of "
+            "them was refused for it: raise --limits.bytes to hold more",
         )

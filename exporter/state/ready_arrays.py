@@ -35,12 +35,14 @@ AgreementValues = tuple[object, ...]
 
 
 class EngineReady(NamedTuple):
-    """One engine's ready response as received: decoded, and its bytes with their wire format."""
+    """One engine's ready response as received: decoded, and its bytes with their wire format; ``shown``, the
+    bytes as JSON when the decode made them (``decode_shown_ready_response``), so they are not made again."""
 
     engine: int
     response: EngineCoreReadyResponse
     payload: bytes
     wire_format: str
+    shown: bytes | None = None
 
 
 class Agreement:
@@ -169,7 +171,7 @@ class ReadyArray:
         if report is None:
             ready = self.reports[place]
             report = self._engine_reports[place] = engine_report(ready.engine, self.now, ready.payload,
-                                                                 ready.wire_format)  # fmt: skip
+                                                                 ready.wire_format, ready.shown)  # fmt: skip
         return report
 
 
@@ -194,11 +196,11 @@ def within_budget(
         return taken, updated, whole.size
 
     def measured(most: int) -> Measured:
-        replica = replica_of(array.take(Cut(most, budget.full(key), budget.full(key))))
+        replica = replica_of(array.take(Cut(most, budget.full(batch, key), budget.full(batch, key))))
         return Measured(most, replica, budget.measure(replica))
 
     fits, crosses = crossing(Measured(0, None, batch.size(key)), whole, room, measured)
-    cut = array.take(Cut(fits.most, budget.past(batch, key, crosses.size), budget.full(key)))
+    cut = array.take(Cut(fits.most, budget.past(batch, key, crosses.size), budget.full(batch, key)))
     return cut, fits.replica, fits.size
 
 

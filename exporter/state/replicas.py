@@ -19,7 +19,7 @@ from protocol import (
     InvalidPayload,
     SyncedConfig,
     decode_accepted_ready_response,
-    decode_ready_response,
+    decode_shown_ready_response,
     decode_static_labels,
     shown_as_json,
     sync,
@@ -50,9 +50,12 @@ class EngineReport(msgspec.Struct, frozen=True, gc=False):
         return decode_accepted_ready_response(self.payload, self.wire_format)
 
 
-def engine_report(engine: int, received_at: float, payload: bytes, wire_format: str) -> EngineReport:
-    """An engine's report of an accepted ready response, with what its JSON view will take measured once."""
-    shown_bytes = len(shown_as_json(payload, wire_format))
+def engine_report(
+    engine: int, received_at: float, payload: bytes, wire_format: str, shown: bytes | None = None
+) -> EngineReport:
+    """An engine's report of an accepted ready response, with what its JSON view will take measured once
+    (``shown``: that view, when the caller has it)."""
+    shown_bytes = len(shown_as_json(payload, wire_format) if shown is None else shown)
     return EngineReport(engine, received_at, payload, wire_format, shown_bytes)
 
 
@@ -117,20 +120,17 @@ def restored(stored: StoredReplica, base_labels: Mapping[str, str], seen: float)
     """
     # Checked again as they are decoded: the store may be older code's, which took inputs today's checks refuse
     # (a label name ending in a newline): those stop the start, naming the replica, rather than break /metrics.
+    responses, engines = {}, {}
     try:
-        responses = {
-            engine: decode_ready_response(row.payload, row.wire_format) for engine, row in stored.engines.items()
-        }
+        for engine, row in stored.engines.items():
+            responses[engine], shown = decode_shown_ready_response(row.payload, row.wire_format)
+            engines[engine] = engine_report(engine, row.received_at, row.payload, row.wire_format, shown)
         # Version 1 stored typed JSON values; rendering them gives the strings vLLM shows.
         static_labels = decode_static_labels(stored.static_config)
     except InvalidPayload as error:
         raise InvalidPayload(
             error.field, f"deployment {stored.deployment!r} replica {stored.replica!r}: {error.reason}"
         ) from None
-    engines = {
-        engine: engine_report(engine, row.received_at, row.payload, row.wire_format)
-        for engine, row in stored.engines.items()
-    }
     key = (stored.deployment, stored.replica)
     return build_replica(
         key,

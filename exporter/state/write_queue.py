@@ -7,10 +7,15 @@ whole batch. So a batch takes changes until they carry ``MAX_BATCH`` responses (
 own). A read waits for the heartbeats answered before it to be folded in, which any batch begun after it does
 (``settle``): the writer begins one of no change for it before taking the next queued changes, so a read waits
 for at most the batch under way, never for the changes queued behind it.
+
+Changes submitted from an event loop reach the queue once per turn of that loop (``put`` from a loop's thread):
+the requests parsed in one turn wake the writer once, as one batch, rather than each in turn, which would hand
+the interpreter's lock to the writer thread between them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -42,21 +47,36 @@ class WriteQueue:
     """Jobs in their order, taken in batches by ``batch``; ``None`` put in it asks the writer to stop."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        # A job taken from the queue for the next batch: it would have taken this one past ``MAX_BATCH``.
-        self._held: Job | None = None
+        self._jobs: queue.SimpleQueue[list[Job | None]] = queue.SimpleQueue()
+        # Jobs taken from the queue for the next batches: the next would have taken this one past ``MAX_BATCH``.
+        self._held: list[Job | None] = []
         self._settling: list[Future[object]] = []
         self._lock = threading.Lock()
+        # The jobs put by each event loop during its current turn, handed over together at the turn's end.
+        self._turns: dict[asyncio.AbstractEventLoop, list[Job | None]] = {}
 
     def put(self, job: Job | None) -> None:
-        self._jobs.put(job)
+        """Queue ``job``: at once from a thread without an event loop, at the end of the loop's turn from one."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._jobs.put([job])
+            return
+        turn = self._turns.get(loop)
+        if turn is None:
+            turn = self._turns[loop] = []
+            loop.call_soon(self._hand_over, loop)
+        turn.append(job)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._jobs.put(self._turns.pop(loop))
 
     def settle(self) -> Future[object]:
         """A future done once a batch begun after this call is committed (or failed with its error)."""
         future: Future[object] = Future()
         with self._lock:
             self._settling.append(future)
-        self._jobs.put(_WAKE)
+        self._jobs.put([_WAKE])
         return future
 
     def settling(self) -> bool:
@@ -72,24 +92,27 @@ class WriteQueue:
     def batch(self, timeout: float) -> list[Job | None] | None:
         """The next batch's jobs in order, up to ``MAX_BATCH`` ready responses, and ``None`` last when the writer
         is to stop; ``None`` when nothing came within ``timeout`` seconds."""
-        job, self._held = self._held, None
-        if job is None:
+        if not self._held:
             try:
-                job = self._jobs.get(timeout=timeout)
+                self._held = self._jobs.get(timeout=timeout)
             except queue.Empty:
                 return None
         jobs: list[Job | None] = []
         weight = 0
         while True:
-            if job is None:
-                return [*jobs, None]
-            if job is not _WAKE:
+            for place, job in enumerate(self._held):
+                if job is None:
+                    self._held = []
+                    return [*jobs, None]
+                if job is _WAKE:
+                    continue
                 if jobs and weight + job.weight > MAX_BATCH:
-                    self._held = job
+                    self._held = self._held[place:]
                     return jobs
                 jobs.append(job)
                 weight += job.weight
             try:
-                job = self._jobs.get_nowait()
+                self._held = self._jobs.get_nowait()
             except queue.Empty:
+                self._held = []
                 return jobs

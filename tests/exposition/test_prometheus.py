@@ -383,3 +383,42 @@ def test_an_expired_replica_goes_stale_in_prometheus(
         assert time.monotonic() < deadline, "the expired replica's series never went stale"
         time.sleep(0.2)
     prometheus.wait_for("cache_config_exporter_replicas_expired_total == 1")
+
+
+def sharding_jobs(address: str) -> list[dict[str, Any]]:
+    """The scrape jobs of docs/metrics.md "Sharding a large fleet", one a shard, aimed at ``address``."""
+    section = METRICS_PAGE.read_text().split("\n## Sharding a large fleet\n", 1)[1].split("\n## ", 1)[0]
+    jobs = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[0])["scrape_configs"]
+    for job in jobs:
+        job["static_configs"] = [{"targets": [address]}]
+    return jobs
+
+
+def test_the_documented_shard_jobs_together_show_every_series_of_the_whole_once(
+    start_exporter: Callable[..., ExporterProcess],
+    start_prometheus: Callable[..., PrometheusServer],
+) -> None:
+    exporter = start_exporter()
+    deployments = [f"model-{index}" for index in range(9)]
+    for deployment in deployments:
+        for replica in ("a", "b"):
+            push_ready(exporter.url, deployment, fixture_bytes("dp2-rank0"), f"?replica={replica}")
+    jobs = sharding_jobs(f"127.0.0.1:{exporter.port}")
+    assert len(jobs) == 3 and {job["params"]["total_shards"][0] for job in jobs} == {"3"}
+    prometheus = start_prometheus(exporter, *jobs)
+    whole = prometheus.wait_for('cache_config_info{job="cache-config-exporter"}', count=2 * len(deployments))
+    shards = '{job=~"cache-config-exporter-[0-9]+"}'
+    sharded = prometheus.wait_for(f"cache_config_info{shards}", count=len(whole))
+
+    def identities(series: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+        return sorted(tuple(one["metric"][name] for name in ("deployment", "replica", "engine")) for one in series)
+
+    assert identities(sharded) == identities(whole), "the union of the shards is the whole, each series once"
+    # Each deployment is in one shard's job only, and every series of the whole is in the union, family by family.
+    jobs_of = values(prometheus, f"count by (deployment) (count by (deployment, job) (cache_config_info{shards}))",
+                     "deployment")  # fmt: skip
+    assert jobs_of == dict.fromkeys(deployments, 1.0)
+    config = '__name__=~"cache_config_.+",__name__!~"cache_config_exporter_.+"'
+    (families,) = prometheus.query(f'count({{{config},job="cache-config-exporter"}})')
+    (union,) = prometheus.query(f'count({{{config},job=~"cache-config-exporter-[0-9]+"}})')
+    assert union["value"][1] == families["value"][1]

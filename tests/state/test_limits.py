@@ -84,6 +84,18 @@ def test_the_budget_boundary_one_byte_either_side() -> None:
     assert fleet.census.bytes == 200
 
 
+def test_a_refusal_for_the_budget_names_the_flag_the_budget_and_the_bytes_in_use() -> None:
+    fleet = fleet_with(Limits(bytes=300))
+    push(fleet, ("d", "r1"), 0, 1)  # 200 in use
+    crossing = push(fleet, ("d", "r2"), 0, 1, 2)  # the first fits (300 of 300), the second crosses, the third follows
+    details = {engine: str(error) for engine, error in crossing.refused.items()}
+    assert set(details) == {1, 2}
+    for detail in details.values():
+        assert "--limits.bytes" in detail and "budget of 300 bytes" in detail and "200 bytes in use now" in detail
+    assert "to 400 bytes" in details[1]  # what the crossing one would have taken it to
+    assert fleet.census.bytes == 300
+
+
 def test_a_replica_may_grow_up_to_the_budget_its_old_size_counted_once() -> None:
     fleet = fleet_with(Limits(bytes=300))
     push(fleet, KEY, 0, 1)  # 200 of 300

@@ -3,6 +3,7 @@ that wait for the heartbeats heard without waiting behind the changes queued."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,33 @@ def job(weight: int) -> Job:
 
 def weights(jobs: list[Job | None] | None) -> list[int | None] | None:
     return None if jobs is None else [None if job is None else job.weight for job in jobs]
+
+
+def test_the_changes_of_one_turn_of_an_event_loop_reach_the_writer_together_at_its_end() -> None:
+    jobs = WriteQueue()
+
+    async def one_turn() -> tuple[list[int | None] | None, list[int | None] | None]:
+        for weight in (1, 2, 3):
+            jobs.put(job(weight))
+        during = weights(jobs.batch(0))  # the turn is not over: the writer has nothing yet
+        await asyncio.sleep(0)  # the next turn
+        return during, weights(jobs.batch(0))
+
+    assert asyncio.run(one_turn()) == (None, [1, 2, 3])
+
+
+def test_a_turn_past_max_batch_is_taken_in_several_batches_in_its_order() -> None:
+    jobs = WriteQueue()
+
+    async def one_turn() -> None:
+        for weight in (MAX_BATCH - 1, 1, 1, 2):
+            jobs.put(job(weight))
+
+    asyncio.run(one_turn())
+    jobs.put(job(5))  # a thread without a loop: queued at once, after the turn's
+    assert weights(jobs.batch(0)) == [MAX_BATCH - 1, 1], "at MAX_BATCH"
+    assert weights(jobs.batch(0)) == [1, 2, 5], "one past it begins the next batch"
+    assert jobs.batch(0) is None
 
 
 def test_a_batch_takes_changes_until_they_carry_max_batch_ready_responses() -> None:

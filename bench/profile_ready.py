@@ -1,0 +1,90 @@
+"""Where one ready response's time goes: the exporter under cProfile, fed ready responses by wrk on one connection.
+
+python -m bench.profile_ready [--seconds 5] [--top 25] [--without-profile]
+
+The exporter runs as ``serve`` always does, in its own process, under ``cProfile`` (which profiles the thread that
+runs the event loop, where the HTTP parsing, the decode, the handler and the answer run; the writer thread is not
+profiled). wrk posts ready responses of 64 engines of DP=8 deployments, two rounds of changed block counts, as the
+bench's ingest does. Printed: requests a second, the exporter's CPU per request, by thread (from /proc: the event
+loop, the writer and the thread pool's workers; the writer is the busiest other thread), and the functions of the
+event loop taking the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pstats
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import wrk
+from bench.load import Client, engines, ingest_requests, spread
+from bench.procs import HOST, Server
+
+ENGINES = 64
+
+
+def _cpu_seconds(stat: Path) -> float:
+    """User and system CPU seconds so far of a process or thread (its /proc ``stat``)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a process so far."""
+    seconds = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            seconds[int(task.name)] = _cpu_seconds(task / "stat")
+    return seconds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_ready", description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=5, help="whole seconds of wrk")
+    parser.add_argument("--top", type=int, default=25, help="functions printed")
+    parser.add_argument("--without-profile", action="store_true", help="CPU by thread only, no cProfile's overhead")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cce-profile-") as tmp:
+        workdir = Path(tmp)
+        profile = workdir / "exporter.prof"
+        profiler = [] if args.without_profile else ["-m", "cProfile", "-o", str(profile)]
+        command = [
+            sys.executable, *profiler, "-m", "exporter", "serve",
+            "--storage.path", str(workdir / "profile.db"), "--log.level", "warning", "--web.listen-address",
+        ]  # fmt: skip
+        targets = spread(engines(ENGINES), ENGINES)
+        with Server("exporter", lambda port: [*command, f"{HOST}:{port}"], "/-/healthy", workdir) as exporter:
+            client = Client(exporter.port)
+            for request in ingest_requests(targets, 1000):
+                client.send(request)
+            client.close()
+            before = _threads(exporter.pid)
+            result = wrk.run([wrk.Job(exporter.port, ingest_requests(targets, 2000), 1)], args.seconds, workdir)[0]
+            after = _threads(exporter.pid)
+            assert exporter.process is not None
+            exporter.process.send_signal(signal.SIGINT)  # uvicorn stops; cProfile writes its file
+            exporter.process.wait(timeout=30)
+        print(f"{result['rate']:.0f} ready responses a second on 1 connection, errors {result['errors']}")
+        spent = sorted(((after[tid] - before.get(tid, 0.0), tid) for tid in after), reverse=True)
+        print(f"exporter CPU {sum(cpu for cpu, _ in spent) / result['requests'] * 1e3:.3f} ms a request (wrk's part)")
+        for cpu, tid in spent:
+            if cpu > 0:
+                name = "event loop" if tid == exporter.pid else f"thread {tid}"
+                print(f"  {name}: {cpu / result['requests'] * 1e3:.3f} ms a request")
+        if not args.without_profile:
+            deadline = time.monotonic() + 10
+            while not profile.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pstats.Stats(str(profile)).sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
