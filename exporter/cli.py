@@ -146,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
     protocol = HeartbeatAnsweringProtocol.configured(
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout_seconds,
+        write_timeout=settings.write_timeout_seconds,
         heartbeats=app.state.quick_heartbeats if settings.workers == 1 else None,
     )
     thaw = freeze_survivors()  # so does each worker process of --web.workers N, as it builds its app

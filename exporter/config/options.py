@@ -84,6 +84,12 @@ class WebOptions:
         "--web.header-timeout",
         "seconds a client may take to send a request's line and headers (408 after, connection closed)",
     )
+    write_timeout_seconds: float = setting(
+        10.0,
+        "--web.write-timeout",
+        "seconds a client may go without reading any of an answer the exporter cannot send on (connection aborted "
+        "after, its buffers released)",
+    )
     shutdown_timeout_seconds: float = setting(
         10.0,
         "--web.shutdown-timeout",

@@ -154,8 +154,9 @@ class InProcess:
         self.state.apply_ready(("slow", "r"), 0, decode_ready_response(payload), payload, "msgpack", 30.0).result(10)
         self.config = uvicorn.Config(app, access_log=False, log_level="warning")
         self.config.load()
-        self.protocol = HeartbeatAnsweringProtocol.configured(max_header_bytes=8192, header_timeout=5.0,
-                                                              heartbeats=app.state.quick_heartbeats)  # fmt: skip
+        self.protocol = HeartbeatAnsweringProtocol.configured(
+            max_header_bytes=8192, header_timeout=5.0, write_timeout=10.0, heartbeats=app.state.quick_heartbeats
+        )
 
     def connect(self, high: int) -> tuple[HeartbeatAnsweringProtocol, BackedUpTransport]:
         protocol = self.protocol(config=self.config, server_state=ServerState(), app_state={})

@@ -49,6 +49,8 @@ METHODS: dict[type, dict[str, tuple[str, ...]]] = {
         "on_headers_complete": (),
         "on_message_complete": (),
         "on_response_complete": (),
+        "pause_writing": (),
+        "resume_writing": (),
         "_start_asgi_task": ("cycle", "app"),
         "timeout_keep_alive_handler": (),
     },
