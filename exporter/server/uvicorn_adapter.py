@@ -33,12 +33,11 @@ Non-public names relied on, and why:
 - ``HttpToolsProtocol.scope``: dropped with the cycle once a heartbeat is answered.
 - ``HttpToolsProtocol.headers``: dropped with the cycle once a heartbeat is answered.
 - ``HttpToolsProtocol.flow``: replaced by ``BoundedFlow``; its ``write_paused`` read.
-- ``HttpToolsProtocol.limit_concurrency``: read: the connection cap.
 - ``HttpToolsProtocol.logger``: the server's logger, for the cap's and the refusals' warnings.
 - ``HttpToolsProtocol.loop``: timers and the end of a heartbeat's answer scheduled on it.
 - ``HttpToolsProtocol.pipeline``: read and cleared: the requests queued behind the one answered.
 - ``HttpToolsProtocol.tasks``: a heartbeat's answer waiting for the transport to drain is kept in it.
-- ``HttpToolsProtocol.transport``: written to and closed: a refusal before a request exists; aborted past the
+- ``HttpToolsProtocol.transport``: written to and closed: a refusal before a request exists; reset past the
   write deadline.
 - ``RequestResponseCycle``: the request a heartbeat is answered on.
 - ``RequestResponseCycle.send``: uvicorn's own send, driven by hand: it writes the 204 as the app's would be.
@@ -63,6 +62,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -85,7 +86,9 @@ FEED_BYTES = 4096
 # Bytes of one connection parsed in one turn of the event loop; the rest of a read waits for the next turn, so a
 # connection pipelining quick heartbeats (answered as they are parsed) takes its turn like any other: a read of
 # uvloop's (up to 256 KiB, some 2,500 heartbeats) would otherwise hold the loop for tens of milliseconds.
-FED_PER_TURN = 4 * FEED_BYTES
+FED_PER_TURN = FEED_BYTES
+# ``SO_LINGER`` on, for 0 seconds: a close resets the connection, dropping what is unsent.
+LINGER_NONE = struct.pack("ii", 1, 0)
 # At the connection cap, one warning per this many seconds at most, with the count refused since the last one.
 CAP_LOG_SECONDS = 10.0
 
@@ -204,12 +207,15 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     An answer the client does not read is bounded by ``write_timeout``: once the transport pauses writing (its
     buffer past the high-water mark), the client must take some of it within that many seconds, again and again,
     or the connection is aborted, its buffers released (``write_stalled``); pipelined requests behind it go with it.
-    A connection past the cap (``limit_concurrency``) makes room by closing, in this order, a kept-alive connection
-    that waits idle for its next request (a client reconnects to send it), the connection stalled on writing
-    longest (aborted), or the connection whose request head has been incomplete longest (answered 503); only when
-    none of them is open is it answered 503 and closed at once, before it sends anything. So idle connections
-    cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a scrape out,
-    and neither clients that never read nor clients that never finish a head can hold every slot."""
+    A connection past the cap (``max_connections``; ``None``: none) makes room by closing, in this order, a
+    kept-alive connection that waits idle for its next request (a client reconnects to send it), the connection
+    stalled on writing longest (aborted), or the connection whose request head has been incomplete longest (answered
+    503); only when none of them is open is it answered 503 and closed at once, before it sends anything. So idle
+    connections cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a
+    scrape out, and neither clients that never read nor clients that never finish a head can hold every slot. The
+    cap is this protocol's, not uvicorn's (``limit_concurrency``, left unset): uvicorn's also counts the app's tasks,
+    and the task of a connection just closed to make room ends a turn of the loop later, so under a flood uvicorn's
+    would answer 503 to a request that the room was made for."""
 
     # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
     _cap_logged: ClassVar[float] = float("-inf")
@@ -218,13 +224,13 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     max_header_bytes: ClassVar[int]
     header_timeout: ClassVar[float]
     write_timeout: ClassVar[float]
+    max_connections: ClassVar[int | None] = None
 
     @classmethod
     def configured(cls, **settings: object) -> Callable[..., Self]:
-        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, ``write_timeout``, a
-        subclass's), for
-        uvicorn's ``http``, which makes one per connection. A partial of a module-level function: it pickles, as
-        uvicorn's worker processes (``--web.workers``) need."""
+        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, ``write_timeout``,
+        ``max_connections``, a subclass's), for uvicorn's ``http``, which makes one per connection. A partial of a
+        module-level function: it pickles, as uvicorn's worker processes (``--web.workers``) need."""
         return functools.partial(_configured_protocol, cls, tuple(sorted(settings.items())))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -234,7 +240,7 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         gc_freeze.connection_opened()
-        limit = self.limit_concurrency
+        limit = self.max_connections
         if limit is not None and len(self.connections) >= limit and not self._make_room():
             self._at_cap(limit)
             return
@@ -242,16 +248,18 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
 
     def _make_room(self) -> bool:
         """At the cap: close an idle connection, else the one stalled on writing longest, else the one whose head
-        has been incomplete longest; False if none is open. The one closed leaves the count at once, so that this
-        connection's request is not refused by uvicorn's own cap."""
+        has been incomplete longest; False if none is open. The one closed leaves the count at once."""
         if self._close_an_idle_connection():
             return True
         others = [connection for connection in self.connections if isinstance(connection, GuardedHttpToolsProtocol)]
-        stalled = oldest(others, lambda connection: connection._connection.write_timer)
+        stalled = oldest(others, lambda connection: connection._connection.write_timer, float("inf"))
         if stalled is not None:
-            stalled.transport.abort()
+            reset(stalled.transport)
         else:
-            stalled = oldest(others, lambda connection: connection._connection.header_timer)
+            # A head timed from this turn of the loop is left alone: its connection was accepted with this one, and
+            # what it sent is read after it.
+            timed_before = self.loop.time() + self.header_timeout
+            stalled = oldest(others, lambda connection: connection._connection.header_timer, timed_before)
             if stalled is None:
                 return False
             detail = "the exporter is at its connection cap and the request's head is still incomplete"
@@ -311,7 +319,7 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         if self.transport.is_closing():
             return
         if write_stalled(connection.write_buffered, self.transport.get_write_buffer_size()):
-            self.transport.abort()
+            reset(self.transport)
         else:  # the client reads, slowly: its next stretch is timed from now
             self._arm_write_timer()
 
@@ -391,6 +399,16 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         self.transport.close()
 
 
+def reset(transport: asyncio.Transport) -> None:
+    """Abort a connection with a reset (``SO_LINGER`` of 0): a plain close of a socket whose peer reads nothing
+    leaves the kernel holding what is unsent, in an orphan that waits for the peer's window for minutes, the peer
+    none the wiser; a reset frees it at once and tells the peer."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_NONE)
+    transport.abort()
+
+
 def write_stalled(buffered_before: int, buffered_now: int) -> bool:
     """Whether a client took none of its answer in a write deadline: the transport buffers as many bytes as when
     the deadline was armed, or more (what was sent since was written behind them, none taken)."""
@@ -400,10 +418,15 @@ def write_stalled(buffered_before: int, buffered_now: int) -> bool:
 def oldest(
     connections: list[GuardedHttpToolsProtocol],
     timer_of: Callable[[GuardedHttpToolsProtocol], asyncio.TimerHandle | None],
+    running_out_before: float,
 ) -> GuardedHttpToolsProtocol | None:
-    """The connection whose timer (armed with the same timeout for each) runs out first, of those with one armed:
-    the one stalled longest."""
-    armed = [(timer.when(), index) for index, connection in enumerate(connections) if (timer := timer_of(connection))]
+    """The connection whose timer (armed with the same timeout for each) runs out first, of those with one armed
+    that runs out before ``running_out_before``: the one stalled longest; None if there is none."""
+    armed = [
+        (timer.when(), index)
+        for index, connection in enumerate(connections)
+        if (timer := timer_of(connection)) is not None and timer.when() < running_out_before
+    ]
     return connections[min(armed)[1]] if armed else None
 
 
