@@ -35,6 +35,10 @@ RECOVERY_SECONDS = 10.0
 # within QUIET_FACTOR times the quiet p99 plus this, the absolute figure recorded.
 GOAL_SECONDS = 0.1
 QUIET_FACTOR = 3
+# The allowance, in place of the goal, for floods of work the exporter does in full (heartbeats it answers as fast
+# as they come, connections opened as fast as they are closed): its one event loop is busy with them, as with any
+# flood of cheap requests (docs/RELIABILITY.md, "Readers that never read"). Before the fix, each was seconds.
+BUSY_SECONDS = 0.5
 # What a never-reading client's kernel offers to receive: the flood's kernel memory stays small.
 RECEIVE_BUFFER = 4096
 METRICS = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -45,28 +49,26 @@ PARTIAL_HEAD = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
 
 def p99(latencies: list[float]) -> float:
-    return statistics.quantiles(latencies, n=100, method="inclusive")[98] if len(latencies) > 1 else latencies[0]
+    """The 99th percentile; infinite when nothing was answered."""
+    if len(latencies) < 2:
+        return latencies[0] if latencies else float("inf")
+    return statistics.quantiles(latencies, n=100, method="inclusive")[98]
 
 
-# What the requests timed got instead of a 200: a status or an exception's name, each counted.
-FAILURES: Counter[str] = Counter()
-
-
-def timed(url: str, path: str, headers: dict[str, str] | None = None) -> float:
-    """Seconds a GET on a new connection took to answer 200 and be read whole; 10 s when it failed."""
+def timed(url: str, path: str, headers: dict[str, str] | None = None) -> float | str:
+    """Seconds a GET on a new connection took to answer 200 and be read whole; what it got instead when it failed:
+    the status and the start of the body, or the exception's name."""
     started = time.monotonic()
     try:
         reply = request(url, "GET", path, headers=headers, timeout=10)
-        status = str(reply.status) if reply.status == 200 else f"{reply.status} {reply.body[:60]!r}"
     except OSError as error:
-        status = type(error).__name__
-    if status != "200":
-        FAILURES[f"{path} {status}"] += 1
-        return 10.0
+        return f"{path} {type(error).__name__}"
+    if reply.status != 200:
+        return f"{path} {reply.status} {reply.body[:60]!r}"
     return time.monotonic() - started
 
 
-def scrape(url: str) -> float:
+def scrape(url: str) -> float | str:
     """A fresh scrape, as Prometheus sends it (gzip taken)."""
     return timed(url, "/metrics", {"Accept-Encoding": "gzip"})
 
@@ -78,13 +80,18 @@ class Watch:
         self.url = url
         self.healthy: list[float] = []
         self.scrapes: list[float] = []
+        # What the requests that failed got instead (``timed``), each counted: the latencies leave them out.
+        self.failed: Counter[str] = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self.healthy.append(timed(self.url, "/-/healthy"))
-            self.scrapes.append(scrape(self.url))
+            for latencies, latency in [(self.healthy, timed(self.url, "/-/healthy")), (self.scrapes, scrape(self.url))]:
+                if isinstance(latency, str):
+                    self.failed[latency] += 1
+                else:
+                    latencies.append(latency)
             self._stop.wait(0.02)
 
     def __enter__(self) -> Watch:
@@ -98,7 +105,9 @@ class Watch:
 
 def quiet(url: str) -> tuple[float, float]:
     """The p99 of ``/-/healthy`` and of a fresh scrape with nothing else going on (30 of each)."""
-    return p99([timed(url, "/-/healthy") for _ in range(30)]), p99([scrape(url) for _ in range(30)])
+    healthy, scrapes = [timed(url, "/-/healthy") for _ in range(30)], [scrape(url) for _ in range(30)]
+    assert all(isinstance(latency, float) for latency in healthy + scrapes), healthy + scrapes
+    return p99(healthy), p99(scrapes)  # type: ignore[arg-type]  # floats, as asserted
 
 
 def never_reader(port: int, sent: bytes) -> socket.socket | None:
@@ -172,21 +181,24 @@ def assert_answered_and_given_back(
     baseline: float,
     quiet_p99: tuple[float, float],
     watch: Watch,
+    allowed_seconds: float,
     **figures: object,
 ) -> None:
-    """Record the flood's figures; assert /-/healthy and the scrape within the goal (relative to quiet), and RSS
-    back within ``BACK_WITHIN_MIB`` of its baseline within ``RECOVERY_SECONDS`` of the clients leaving."""
+    """Record the flood's figures; assert every request timed answered, /-/healthy's and the scrape's p99 within
+    ``allowed_seconds`` (above ``QUIET_FACTOR`` times quiet), and RSS back within ``BACK_WITHIN_MIB`` of its
+    baseline within ``RECOVERY_SECONDS`` of the clients leaving."""
     back_after = seconds_until(lambda: rss_mib(exporter) - baseline <= BACK_WITHIN_MIB, RECOVERY_SECONDS)
     healthy, scraped = p99(watch.healthy), p99(watch.scrapes)
     record(record_property, name, **figures, rss_baseline_mib=round(baseline, 1),
            rss_peak_growth_mib=round(peak_mib(exporter) - baseline, 1),
            back_within_50_mib_seconds=back_after and round(back_after, 2),
            quiet_healthy_p99_seconds=round(quiet_p99[0], 4), quiet_scrape_p99_seconds=round(quiet_p99[1], 4),
-           healthy_p99_seconds=round(healthy, 4), healthy_worst_seconds=round(max(watch.healthy), 4),
-           scrape_p99_seconds=round(scraped, 4), scrape_worst_seconds=round(max(watch.scrapes), 4),
-           healthy_timed=len(watch.healthy), scrapes_timed=len(watch.scrapes), failed=dict(FAILURES))  # fmt: skip
-    assert healthy <= QUIET_FACTOR * quiet_p99[0] + GOAL_SECONDS, (healthy, quiet_p99)
-    assert scraped <= QUIET_FACTOR * quiet_p99[1] + GOAL_SECONDS, (scraped, quiet_p99)
+           healthy_p99_seconds=round(healthy, 4), healthy_worst_seconds=round(max(watch.healthy, default=0), 4),
+           scrape_p99_seconds=round(scraped, 4), scrape_worst_seconds=round(max(watch.scrapes, default=0), 4),
+           healthy_timed=len(watch.healthy), scrapes_timed=len(watch.scrapes), failed=dict(watch.failed))  # fmt: skip
+    assert not watch.failed
+    assert healthy <= QUIET_FACTOR * quiet_p99[0] + allowed_seconds, (healthy, quiet_p99)
+    assert scraped <= QUIET_FACTOR * quiet_p99[1] + allowed_seconds, (scraped, quiet_p99)
     assert back_after is not None, f"RSS more than {BACK_WITHIN_MIB} MiB above its baseline {RECOVERY_SECONDS} s after"
 
 
@@ -213,6 +225,7 @@ def test_clients_that_never_read_a_large_scrape_are_dropped_and_leave_room(
     ):
         time.sleep(LARGE_FLOOD_SECONDS)  # the flood's length: the watch measures meanwhile
     assert_answered_and_given_back(record_property, "never_read_large_scrapes", exporter, baseline, quiet_p99, watch,
+                                   GOAL_SECONDS,
                                    clients=LARGE_FLOOD_CLIENTS, cap=LARGE_FLOOD_CAP, seconds=LARGE_FLOOD_SECONDS,
                                    metrics_bytes=size, connections_opened=counts["opened"])  # fmt: skip
 
@@ -251,8 +264,8 @@ def test_pipelined_heartbeats_never_read_leave_liveness_and_memory_alone(
         flooding = [pool.submit(pipeline_heartbeats, exporter.port, until) for _ in range(connections)]
         sent = sum(future.result(timeout=PIPELINE_SECONDS + 30) for future in flooding)
     assert_answered_and_given_back(record_property, f"never_read_pipelined_heartbeats_{connections}", exporter,
-                                   baseline, quiet_p99, watch, connections=connections, seconds=PIPELINE_SECONDS,
-                                   heartbeats_sent=sent)  # fmt: skip
+                                   baseline, quiet_p99, watch, BUSY_SECONDS, connections=connections,
+                                   seconds=PIPELINE_SECONDS, heartbeats_sent=sent)  # fmt: skip
 
 
 SLOWLORIS_CLIENTS = 1000
@@ -275,10 +288,8 @@ def test_stalled_heads_reopened_as_they_drop_leave_fresh_requests_answered(
         )
         watch = stack.enter_context(Watch(exporter.url))
         time.sleep(SLOWLORIS_SECONDS)  # the flood's length: the watch measures meanwhile
-    answered = sum(latency < 10.0 for latency in watch.healthy + watch.scrapes)
     assert_answered_and_given_back(record_property, "slowloris_reopened", exporter, baseline, quiet_p99, watch,
+                                   BUSY_SECONDS,
                                    clients=SLOWLORIS_CLIENTS, cap=SLOWLORIS_CAP, seconds=SLOWLORIS_SECONDS,
                                    connections_opened=counts["opened"],
-                                   fresh_requests=len(watch.healthy) + len(watch.scrapes),
-                                   fresh_answered=answered)  # fmt: skip
-    assert answered == len(watch.healthy) + len(watch.scrapes)
+                                   fresh_answered=len(watch.healthy) + len(watch.scrapes))  # fmt: skip
