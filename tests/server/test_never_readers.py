@@ -38,7 +38,7 @@ QUIET_FACTOR = 3
 # The allowance, in place of the goal, for floods of work the exporter does in full (heartbeats it answers as fast
 # as they come, connections opened as fast as they are closed): its one event loop is busy with them, as with any
 # flood of cheap requests (docs/RELIABILITY.md, "Readers that never read"). Before the fix, each was seconds.
-BUSY_SECONDS = 0.5
+BUSY_SECONDS = 1.0
 # What a never-reading client's kernel offers to receive: the flood's kernel memory stays small.
 RECEIVE_BUFFER = 4096
 METRICS = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
