@@ -89,7 +89,7 @@ FEED_BYTES = 4096
 FED_PER_TURN = FEED_BYTES
 # ``SO_LINGER`` on, for 0 seconds: a close resets the connection, dropping what is unsent.
 LINGER_NONE = struct.pack("ii", 1, 0)
-# At the connection cap, one warning per this many seconds at most, with the count refused since the last one.
+# At the connection cap, one warning per this many seconds at most, with the counts refused and closed since the last.
 CAP_LOG_SECONDS = 10.0
 
 
@@ -217,9 +217,11 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     and the task of a connection just closed to make room ends a turn of the loop later, so under a flood uvicorn's
     would answer 503 to a request that the room was made for."""
 
-    # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
+    # When the last warning of the cap was logged, and the connections refused and the stalled ones closed since
+    # (one event loop per process).
     _cap_logged: ClassVar[float] = float("-inf")
     _cap_refused: ClassVar[int] = 0
+    _cap_closed: ClassVar[int] = 0
     # The server's settings, the same for each connection: class attributes (see ``ConnectionState``).
     max_header_bytes: ClassVar[int]
     header_timeout: ClassVar[float]
@@ -241,12 +243,12 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         super().connection_made(transport)
         gc_freeze.connection_opened()
         limit = self.max_connections
-        if limit is not None and len(self.connections) >= limit and not self._make_room():
+        if limit is not None and len(self.connections) >= limit and not self._make_room(limit):
             self._at_cap(limit)
             return
         self._arm_header_timer()
 
-    def _make_room(self) -> bool:
+    def _make_room(self, limit: int) -> bool:
         """At the cap: close an idle connection, else the one stalled on writing longest, else the one whose head
         has been incomplete longest; False if none is open. The one closed leaves the count at once."""
         if self._close_an_idle_connection():
@@ -265,6 +267,8 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
             detail = "the exporter is at its connection cap and the request's head is still incomplete"
             stalled._refuse(TooManyConnections(None, detail), log=False)
         self.connections.discard(stalled)
+        GuardedHttpToolsProtocol._cap_closed += 1
+        self._warn_of_the_cap(limit)
         return True
 
     def _close_an_idle_connection(self) -> bool:
@@ -277,15 +281,20 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         return False
 
     def _at_cap(self, limit: int) -> None:
-        cls = GuardedHttpToolsProtocol
-        cls._cap_refused += 1
-        now = time.monotonic()
-        if now - cls._cap_logged >= CAP_LOG_SECONDS:
-            self.logger.warning("At the connection cap of %d (%s): refused %d connection(s) with 503 since the last "
-                                "such warning", limit, flag_of("max_connections"), cls._cap_refused)  # fmt: skip
-            cls._cap_logged, cls._cap_refused = now, 0
+        GuardedHttpToolsProtocol._cap_refused += 1
+        self._warn_of_the_cap(limit)
         detail = f"the exporter serves at most {limit} connections at once; retry later"
         self._refuse(TooManyConnections(None, detail), log=False)
+
+    def _warn_of_the_cap(self, limit: int) -> None:
+        """At most one warning each ``CAP_LOG_SECONDS``, with the connections refused and closed since the last."""
+        cls = GuardedHttpToolsProtocol
+        now = time.monotonic()
+        if now - cls._cap_logged >= CAP_LOG_SECONDS:
+            self.logger.warning("At the connection cap of %d (%s): refused %d connection(s) with 503 and closed %d "
+                                "stalled one(s) since the last such warning", limit, flag_of("max_connections"),
+                                cls._cap_refused, cls._cap_closed)  # fmt: skip
+            cls._cap_logged, cls._cap_refused, cls._cap_closed = now, 0, 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
