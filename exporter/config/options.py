@@ -68,7 +68,8 @@ class WebOptions:
     max_connections: int = setting(
         1024,
         "--web.max-connections",
-        "concurrent connections; at the cap a new one closes an idle kept-alive one, or gets 503 if none is idle",
+        "concurrent connections; at the cap a new one closes an idle kept-alive one, else the one stalled longest on "
+        "writing or in its request head, or gets 503 if none is",
     )
     keep_alive_timeout_seconds: float = setting(
         65.0,
