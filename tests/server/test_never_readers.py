@@ -23,6 +23,7 @@ from tests.helpers.http import MSGPACK, request
 from tests.helpers.processes import memory_kib
 from tests.helpers.ready_responses import ready_response
 from tests.server.test_attack_arrays import FLAGS, array, post
+from tests.server.test_slow_readers import flood as pipelining
 from tests.server.test_slow_readers import seconds_until
 from tests.support import ExporterProcess
 
@@ -233,22 +234,6 @@ def test_clients_that_never_read_a_large_scrape_are_dropped_and_leave_room(
 PIPELINE_SECONDS = 8.0
 
 
-def pipeline_heartbeats(port: int, until: float) -> int:
-    """Heartbeats pipelined in batches of 100 on one connection that never reads, until ``until``; how many sent."""
-    sent = 0
-    with socket.create_connection(("127.0.0.1", port)) as connection:
-        connection.settimeout(0.2)
-        while time.monotonic() < until:
-            try:
-                connection.sendall(HEARTBEAT * 100)
-            except TimeoutError:  # the exporter stopped reading: its buffers and ours are full
-                continue
-            except OSError:  # dropped past the write deadline
-                break
-            sent += 100
-    return sent
-
-
 @pytest.mark.parametrize("connections", [4, 16])
 def test_pipelined_heartbeats_never_read_leave_liveness_and_memory_alone(
     connections: int, start_exporter: Callable[..., ExporterProcess], record_property: Callable[[str, object], None]
@@ -261,7 +246,7 @@ def test_pipelined_heartbeats_never_read_leave_liveness_and_memory_alone(
     baseline = rss_mib(exporter)
     until = time.monotonic() + PIPELINE_SECONDS
     with ThreadPoolExecutor(connections) as pool, Watch(exporter.url) as watch:
-        flooding = [pool.submit(pipeline_heartbeats, exporter.port, until) for _ in range(connections)]
+        flooding = [pool.submit(pipelining, exporter.port, until, HEARTBEAT) for _ in range(connections)]
         sent = sum(future.result(timeout=PIPELINE_SECONDS + 30) for future in flooding)
     assert_answered_and_given_back(record_property, f"never_read_pipelined_heartbeats_{connections}", exporter,
                                    baseline, quiet_p99, watch, BUSY_SECONDS, connections=connections,

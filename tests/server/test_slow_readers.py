@@ -243,16 +243,19 @@ def seconds_until(condition: Callable[[], bool], timeout: float) -> float | None
     return time.monotonic() - started
 
 
-def flood(port: int, until: float) -> int:
-    """Requests pipelined in batches of 100 on one connection that never reads, until ``until``; how many sent."""
+def flood(port: int, until: float, sent_request: bytes = HEALTHY) -> int:
+    """Requests pipelined in batches of 100 on one connection that never reads, until ``until`` or the exporter
+    drops it; how many sent."""
     sent = 0
     with socket.create_connection(("127.0.0.1", port)) as connection:
         connection.settimeout(0.2)
         while time.monotonic() < until:
             try:
-                connection.sendall(HEALTHY * 100)
+                connection.sendall(sent_request * 100)
             except TimeoutError:  # the exporter stopped reading: its buffers and ours are full
                 continue
+            except OSError:  # dropped past the write deadline
+                break
             sent += 100
     return sent
 
