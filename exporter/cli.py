@@ -154,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     protocol = HeartbeatAnsweringProtocol.configured(
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout_seconds,
+        write_timeout=settings.write_timeout_seconds,
+        max_connections=max_connections,
         heartbeats=app.state.quick_heartbeats if settings.workers == 1 else None,
     )
     thaw = freeze_survivors()  # so does each worker process of --web.workers N, as it builds its app
@@ -168,7 +170,6 @@ def serve(args: argparse.Namespace) -> int:
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
             server_header=False,
-            limit_concurrency=max_connections,
             timeout_keep_alive=settings.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # float works
             timeout_graceful_shutdown=settings.shutdown_timeout_seconds,  # type: ignore[arg-type]  # float works
             ssl_context_factory=ReloadingTls(settings) if watched_tls(settings) is not None else None,

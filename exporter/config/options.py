@@ -68,7 +68,8 @@ class WebOptions:
     max_connections: int = setting(
         1024,
         "--web.max-connections",
-        "concurrent connections; at the cap a new one closes an idle kept-alive one, or gets 503 if none is idle",
+        "concurrent connections; at the cap a new one closes an idle kept-alive one, else the one stalled longest on "
+        "writing or in its request head, or gets 503 if none is",
     )
     keep_alive_timeout_seconds: float = setting(
         65.0,
@@ -83,6 +84,12 @@ class WebOptions:
         10.0,
         "--web.header-timeout",
         "seconds a client may take to send a request's line and headers (408 after, connection closed)",
+    )
+    write_timeout_seconds: float = setting(
+        10.0,
+        "--web.write-timeout",
+        "seconds a client may go without reading any of an answer the exporter cannot send on (connection aborted "
+        "after, its buffers released)",
     )
     shutdown_timeout_seconds: float = setting(
         10.0,

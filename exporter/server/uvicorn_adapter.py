@@ -1,13 +1,14 @@
 """Every reach into uvicorn's non-public code: the exporter's HTTP/1.1 protocol, built on uvicorn's httptools one.
 
 uvicorn's public ground (``uvicorn.run``, ``uvicorn.Config``, ASGI) offers no cap on a request's head, no
-header-phase timeout, no bound on pipelined requests, no closing of an idle connection at the connection cap and
-no way to answer a request beneath the app. Those are done here, in three layers of one protocol:
-``PipelineBoundProtocol`` (pipelining bounded), ``GuardedHttpToolsProtocol`` (the head's limits and the
-connection cap) and ``HeartbeatAnsweringProtocol`` (heartbeats answered beneath the app; what it answers and how is
-decided by ``exporter/server/quick_heartbeats.py``, which knows no uvicorn). pyproject.toml pins the uvicorn
-releases tested, and ``tests/server/test_uvicorn_internals.py`` reads the list below and checks each name against
-the installed uvicorn, and that this module uses no name of uvicorn's the list leaves out.
+header-phase timeout, no bound on pipelined requests, no write deadline, no closing of an idle or stalled
+connection at the connection cap and no way to answer a request beneath the app. Those are done here, in three
+layers of one protocol: ``PipelineBoundProtocol`` (pipelining bounded, a connection's reads parsed a turn's worth
+at a time), ``GuardedHttpToolsProtocol`` (the head's limits, the write deadline and the connection cap) and
+``HeartbeatAnsweringProtocol`` (heartbeats answered beneath the app; what it answers and how is decided by
+``exporter/server/quick_heartbeats.py``, which knows no uvicorn). pyproject.toml pins the uvicorn releases tested,
+and ``tests/server/test_uvicorn_internals.py`` reads the list below and checks each name against the installed
+uvicorn, and that this module uses no name of uvicorn's the list leaves out.
 
 Non-public names relied on, and why:
 
@@ -20,6 +21,8 @@ Non-public names relied on, and why:
 - ``HttpToolsProtocol.on_headers_complete``: extended: the head's limits end.
 - ``HttpToolsProtocol.on_message_complete``: extended: a waiting heartbeat is answered, the head's room renewed.
 - ``HttpToolsProtocol.on_response_complete``: extended: a read held back is fed once the queue drains.
+- ``HttpToolsProtocol.pause_writing``: extended: the write deadline armed.
+- ``HttpToolsProtocol.resume_writing``: extended: the write deadline disarmed.
 - ``HttpToolsProtocol._start_asgi_task``: overridden: where a heartbeat is answered instead of starting the app.
 - ``HttpToolsProtocol.timeout_keep_alive_handler``: called to close an idle connection at the connection cap.
 - ``HttpToolsProtocol.timeout_keep_alive_task``: read: set while a connection waits idle for its next request.
@@ -30,12 +33,12 @@ Non-public names relied on, and why:
 - ``HttpToolsProtocol.scope``: dropped with the cycle once a heartbeat is answered.
 - ``HttpToolsProtocol.headers``: dropped with the cycle once a heartbeat is answered.
 - ``HttpToolsProtocol.flow``: replaced by ``BoundedFlow``; its ``write_paused`` read.
-- ``HttpToolsProtocol.limit_concurrency``: read: the connection cap.
 - ``HttpToolsProtocol.logger``: the server's logger, for the cap's and the refusals' warnings.
 - ``HttpToolsProtocol.loop``: timers and the end of a heartbeat's answer scheduled on it.
 - ``HttpToolsProtocol.pipeline``: read and cleared: the requests queued behind the one answered.
 - ``HttpToolsProtocol.tasks``: a heartbeat's answer waiting for the transport to drain is kept in it.
-- ``HttpToolsProtocol.transport``: written to and closed: a refusal before a request exists.
+- ``HttpToolsProtocol.transport``: written to and closed: a refusal before a request exists; reset past the
+  write deadline.
 - ``RequestResponseCycle``: the request a heartbeat is answered on.
 - ``RequestResponseCycle.send``: uvicorn's own send, driven by hand: it writes the 204 as the app's would be.
 - ``RequestResponseCycle.disconnected``: read: a client gone is left to the app.
@@ -59,6 +62,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -78,7 +83,13 @@ from exporter.server.quick_heartbeats import QuickHeartbeats
 PIPELINED_AT_MOST = 8
 # Bytes parsed at once: the requests waiting are counted between two feeds (a heartbeat's head is about 200).
 FEED_BYTES = 4096
-# At the connection cap, one warning per this many seconds at most, with the count refused since the last one.
+# Bytes of one connection parsed in one turn of the event loop; the rest of a read waits for the next turn, so a
+# connection pipelining quick heartbeats (answered as they are parsed) takes its turn like any other: a read of
+# uvloop's (up to 256 KiB, some 2,500 heartbeats) would otherwise hold the loop for tens of milliseconds.
+FED_PER_TURN = FEED_BYTES
+# ``SO_LINGER`` on, for 0 seconds: a close resets the connection, dropping what is unsent.
+LINGER_NONE = struct.pack("ii", 1, 0)
+# At the connection cap, one warning per this many seconds at most, with the counts refused and closed since the last.
 CAP_LOG_SECONDS = 10.0
 
 
@@ -86,7 +97,7 @@ class ConnectionState:
     """What the exporter's protocol keeps per connection beyond uvicorn's, in one attribute with slots (see the
     module: CPython's key-sharing dicts)."""
 
-    __slots__ = ("head_begun", "header_room", "header_timer", "held", "waiting")
+    __slots__ = ("head_begun", "header_room", "header_timer", "held", "waiting", "write_buffered", "write_timer")
 
     def __init__(self, header_room: int) -> None:
         # Bytes read but not parsed, until the requests waiting drain.
@@ -98,6 +109,9 @@ class ConnectionState:
         self.head_begun = False
         # A heartbeat whose head is in, answered when its message completes (at once: it has no body).
         self.waiting: tuple[RequestResponseCycle, ASGIApp] | None = None
+        # Armed while the transport is paused for writing (its peer reads too little); with the bytes it held then.
+        self.write_timer: asyncio.TimerHandle | None = None
+        self.write_buffered = 0
 
 
 class BoundedFlow(FlowControl):
@@ -123,7 +137,8 @@ class PipelineBoundProtocol(HttpToolsProtocol):
     every request of a read at once (what that cost, unbounded: docs/RELIABILITY.md, "Pipelining bounded"). Here
     the parser is fed ``FEED_BYTES`` at a time; once ``PIPELINED_AT_MOST`` requests wait, the rest of the read is
     kept unparsed and the connection is not read until the queue drains. So a connection holds at most the requests
-    of one feed past the bound, and one read.
+    of one feed past the bound, and one read. Past ``FED_PER_TURN`` bytes in one turn the rest is kept the same
+    way and fed in the loop's next turn, after the other connections' events.
 
     At close the queue is dropped: each queued request refers back to its protocol (a reference cycle), garbage that
     reference counting cannot free, and that frozen (``exporter/server/gc_freeze.py``) the collector would not see.
@@ -153,9 +168,11 @@ class PipelineBoundProtocol(HttpToolsProtocol):
 
     def _feed(self, data: bytes) -> None:
         for start in range(0, len(data), FEED_BYTES):
-            if len(self.pipeline) >= PIPELINED_AT_MOST:
+            if len(self.pipeline) >= PIPELINED_AT_MOST or start >= FED_PER_TURN:
                 self._connection.held = data[start:]
                 self.flow.pause_reading()
+                if len(self.pipeline) < PIPELINED_AT_MOST:  # this turn's share is parsed: the rest in the next
+                    self.loop.call_soon(self._feed_held)
                 break
             self._parse(data[start : start + FEED_BYTES])
             if self.transport.is_closing():
@@ -187,23 +204,35 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     ``max_header_bytes``, and 408 when they take longer than ``header_timeout`` seconds (counted from the
     connection's start or the request's first byte), so neither a huge header nor a slow-header client can hold
     memory or a slot.
-    A connection past the cap (``limit_concurrency``) closes a kept-alive connection that waits idle for its
-    next request (a client reconnects to send it), or, when none is idle, is answered 503 and closed at once,
-    before it sends anything: idle connections cannot take every file descriptor, and kept-alive ones
-    (the plugin's, between heartbeats) never keep a scrape out."""
+    An answer the client does not read is bounded by ``write_timeout``: once the transport pauses writing (its
+    buffer past the high-water mark), the client must take some of it within that many seconds, again and again,
+    or the connection is aborted, its buffers released (``write_stalled``); pipelined requests behind it go with it.
+    A connection past the cap (``max_connections``; ``None``: none) makes room by closing, in this order, a
+    kept-alive connection that waits idle for its next request (a client reconnects to send it), the connection
+    stalled on writing longest (aborted), or the connection whose request head has been incomplete longest (answered
+    503); only when none of them is open is it answered 503 and closed at once, before it sends anything. So idle
+    connections cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a
+    scrape out, and neither clients that never read nor clients that never finish a head can hold every slot. The
+    cap is this protocol's, not uvicorn's (``limit_concurrency``, left unset): uvicorn's also counts the app's tasks,
+    and the task of a connection just closed to make room ends a turn of the loop later, so under a flood uvicorn's
+    would answer 503 to a request that the room was made for."""
 
-    # When the last warning of the cap was logged, and the connections refused since (one event loop per process).
+    # When the last warning of the cap was logged, and the connections refused and the stalled ones closed since
+    # (one event loop per process).
     _cap_logged: ClassVar[float] = float("-inf")
     _cap_refused: ClassVar[int] = 0
+    _cap_closed: ClassVar[int] = 0
     # The server's settings, the same for each connection: class attributes (see ``ConnectionState``).
     max_header_bytes: ClassVar[int]
     header_timeout: ClassVar[float]
+    write_timeout: ClassVar[float]
+    max_connections: ClassVar[int | None] = None
 
     @classmethod
     def configured(cls, **settings: object) -> Callable[..., Self]:
-        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, a subclass's), for
-        uvicorn's ``http``, which makes one per connection. A partial of a module-level function: it pickles, as
-        uvicorn's worker processes (``--web.workers``) need."""
+        """This protocol with a server's settings (``max_header_bytes``, ``header_timeout``, ``write_timeout``,
+        ``max_connections``, a subclass's), for uvicorn's ``http``, which makes one per connection. A partial of a
+        module-level function: it pickles, as uvicorn's worker processes (``--web.workers``) need."""
         return functools.partial(_configured_protocol, cls, tuple(sorted(settings.items())))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -213,15 +242,37 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         gc_freeze.connection_opened()
-        limit = self.limit_concurrency
-        if limit is not None and len(self.connections) >= limit and not self._close_an_idle_connection():
+        limit = self.max_connections
+        if limit is not None and len(self.connections) >= limit and not self._make_room(limit):
             self._at_cap(limit)
             return
         self._arm_header_timer()
 
+    def _make_room(self, limit: int) -> bool:
+        """At the cap: close an idle connection, else the one stalled on writing longest, else the one whose head
+        has been incomplete longest; False if none is open. The one closed leaves the count at once."""
+        if self._close_an_idle_connection():
+            return True
+        others = [connection for connection in self.connections if isinstance(connection, GuardedHttpToolsProtocol)]
+        stalled = oldest(others, lambda connection: connection._connection.write_timer, float("inf"))
+        if stalled is not None:
+            reset(stalled.transport)
+        else:
+            # A head timed from this turn of the loop is left alone: its connection was accepted with this one, and
+            # what it sent is read after it.
+            timed_before = self.loop.time() + self.header_timeout
+            stalled = oldest(others, lambda connection: connection._connection.header_timer, timed_before)
+            if stalled is None:
+                return False
+            detail = "the exporter is at its connection cap and the request's head is still incomplete"
+            stalled._refuse(TooManyConnections(None, detail), log=False)
+        self.connections.discard(stalled)
+        GuardedHttpToolsProtocol._cap_closed += 1
+        self._warn_of_the_cap(limit)
+        return True
+
     def _close_an_idle_connection(self) -> bool:
-        """Close one connection that waits for its next request (its keep-alive timer runs); False if none does.
-        It leaves the count at once, so that this connection's request is not refused by uvicorn's own cap."""
+        """Close one connection that waits for its next request (its keep-alive timer runs); False if none does."""
         for connection in self.connections:
             if getattr(connection, "timeout_keep_alive_task", None) is not None:
                 connection.timeout_keep_alive_handler()
@@ -230,20 +281,56 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         return False
 
     def _at_cap(self, limit: int) -> None:
-        cls = GuardedHttpToolsProtocol
-        cls._cap_refused += 1
-        now = time.monotonic()
-        if now - cls._cap_logged >= CAP_LOG_SECONDS:
-            self.logger.warning("At the connection cap of %d (%s): refused %d connection(s) with 503 since the last "
-                                "such warning", limit, flag_of("max_connections"), cls._cap_refused)  # fmt: skip
-            cls._cap_logged, cls._cap_refused = now, 0
+        GuardedHttpToolsProtocol._cap_refused += 1
+        self._warn_of_the_cap(limit)
         detail = f"the exporter serves at most {limit} connections at once; retry later"
         self._refuse(TooManyConnections(None, detail), log=False)
 
+    def _warn_of_the_cap(self, limit: int) -> None:
+        """At most one warning each ``CAP_LOG_SECONDS``, with the connections refused and closed since the last."""
+        cls = GuardedHttpToolsProtocol
+        now = time.monotonic()
+        if now - cls._cap_logged >= CAP_LOG_SECONDS:
+            self.logger.warning("At the connection cap of %d (%s): refused %d connection(s) with 503 and closed %d "
+                                "stalled one(s) since the last such warning", limit, flag_of("max_connections"),
+                                cls._cap_refused, cls._cap_closed)  # fmt: skip
+            cls._cap_logged, cls._cap_refused, cls._cap_closed = now, 0, 0
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_write_timer()
         super().connection_lost(exc)
         gc_freeze.connection_closed()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._connection.write_timer is None:
+            self._arm_write_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write_timer()
+
+    def _arm_write_timer(self) -> None:
+        connection = self._connection
+        connection.write_buffered = self.transport.get_write_buffer_size()
+        connection.write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def _disarm_write_timer(self) -> None:
+        connection = self._connection
+        if connection.write_timer is not None:
+            connection.write_timer.cancel()
+            connection.write_timer = None
+
+    def _write_timed_out(self) -> None:
+        connection = self._connection
+        connection.write_timer = None
+        if self.transport.is_closing():
+            return
+        if write_stalled(connection.write_buffered, self.transport.get_write_buffer_size()):
+            reset(self.transport)
+        else:  # the client reads, slowly: its next stretch is timed from now
+            self._arm_write_timer()
 
     def _fed(self) -> None:
         """A head still incomplete after a read is timed from now on.
@@ -319,6 +406,37 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
             self.logger.warning("Refused a request: %s", problem.detail)
         self.transport.write(STATUS_LINE[problem.status] + head + b"\r\n" + body)
         self.transport.close()
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Abort a connection with a reset (``SO_LINGER`` of 0): a plain close of a socket whose peer reads nothing
+    leaves the kernel holding what is unsent, in an orphan that waits for the peer's window for minutes, the peer
+    none the wiser; a reset frees it at once and tells the peer."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_NONE)
+    transport.abort()
+
+
+def write_stalled(buffered_before: int, buffered_now: int) -> bool:
+    """Whether a client took none of its answer in a write deadline: the transport buffers as many bytes as when
+    the deadline was armed, or more (what was sent since was written behind them, none taken)."""
+    return buffered_now >= buffered_before
+
+
+def oldest(
+    connections: list[GuardedHttpToolsProtocol],
+    timer_of: Callable[[GuardedHttpToolsProtocol], asyncio.TimerHandle | None],
+    running_out_before: float,
+) -> GuardedHttpToolsProtocol | None:
+    """The connection whose timer (armed with the same timeout for each) runs out first, of those with one armed
+    that runs out before ``running_out_before``: the one stalled longest; None if there is none."""
+    armed = [
+        (timer.when(), index)
+        for index, connection in enumerate(connections)
+        if (timer := timer_of(connection)) is not None and timer.when() < running_out_before
+    ]
+    return connections[min(armed)[1]] if armed else None
 
 
 def _configured_protocol(

@@ -42,7 +42,10 @@ class Server:
         self.heartbeats: QuickHeartbeats = self.app.state.quick_heartbeats
         self.port = free_port()
         protocol = HeartbeatAnsweringProtocol.configured(
-            max_header_bytes=8192, header_timeout=5.0, heartbeats=self.heartbeats if quick else None
+            max_header_bytes=8192,
+            header_timeout=5.0,
+            write_timeout=10.0,
+            heartbeats=self.heartbeats if quick else None,
         )
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, http=protocol,  # type: ignore[arg-type]
@@ -270,7 +273,9 @@ def test_with_the_access_log_on_heartbeats_are_logged_like_every_request(serve: 
 
 def test_the_configured_protocol_pickles_for_worker_processes() -> None:
     """uvicorn sends its config, the protocol included, to each worker process of ``--web.workers``."""
-    protocol = HeartbeatAnsweringProtocol.configured(max_header_bytes=4096, header_timeout=2.0, heartbeats=None)
+    protocol = HeartbeatAnsweringProtocol.configured(
+        max_header_bytes=4096, header_timeout=2.0, write_timeout=10.0, heartbeats=None
+    )
     again = pickle.loads(pickle.dumps(protocol))
     assert (again.args, again.keywords) == (protocol.args, protocol.keywords)
 

@@ -106,6 +106,7 @@ class BackedUpTransport(asyncio.Transport):
         self.pending = 0
         self.paused = False
         self.closed = False
+        self.aborted = False
         self.protocol: asyncio.Protocol | None = None
 
     def write(self, data: Any) -> None:
@@ -115,9 +116,11 @@ class BackedUpTransport(asyncio.Transport):
             self.paused = True
             self.protocol.pause_writing()
 
-    def drain(self) -> None:
-        """The peer read everything."""
-        self.pending = 0
+    def drain(self, left: int = 0) -> None:
+        """The peer read everything but ``left`` bytes (writing resumes once nothing is left)."""
+        self.pending = left
+        if left:
+            return
         if self.paused and self.protocol is not None:
             self.paused = False
             self.protocol.resume_writing()
@@ -135,6 +138,12 @@ class BackedUpTransport(asyncio.Transport):
     def close(self) -> None:
         self.closed = True
 
+    def abort(self) -> None:
+        self.aborted = self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.pending
+
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
@@ -147,18 +156,22 @@ class InProcess:
     """The exporter's app in this process, with a replica that sends heartbeats, and its protocol over
     ``BackedUpTransport`` connections (made within a running event loop)."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, **settings: object) -> None:
         app = create_app(Settings(storage_path=tmp_path / "exporter.db"), registry=CollectorRegistry())
         payload = ready_response(0, 1, 1)
         self.state = app.state.exporter.state
         self.state.apply_ready(("slow", "r"), 0, decode_ready_response(payload), payload, "msgpack", 30.0).result(10)
         self.config = uvicorn.Config(app, access_log=False, log_level="warning")
         self.config.load()
-        self.protocol = HeartbeatAnsweringProtocol.configured(max_header_bytes=8192, header_timeout=5.0,
-                                                              heartbeats=app.state.quick_heartbeats)  # fmt: skip
+        self.protocol = HeartbeatAnsweringProtocol.configured(
+            **{"max_header_bytes": 8192, "header_timeout": 5.0, "write_timeout": 10.0, **settings},
+            heartbeats=app.state.quick_heartbeats,
+        )
+        # One server's: its connections are counted together.
+        self.server_state = ServerState()
 
     def connect(self, high: int) -> tuple[HeartbeatAnsweringProtocol, BackedUpTransport]:
-        protocol = self.protocol(config=self.config, server_state=ServerState(), app_state={})
+        protocol = self.protocol(config=self.config, server_state=self.server_state, app_state={})
         transport = BackedUpTransport(high)
         transport.protocol = protocol
         protocol.connection_made(transport)
@@ -230,16 +243,19 @@ def seconds_until(condition: Callable[[], bool], timeout: float) -> float | None
     return time.monotonic() - started
 
 
-def flood(port: int, until: float) -> int:
-    """Requests pipelined in batches of 100 on one connection that never reads, until ``until``; how many sent."""
+def flood(port: int, until: float, sent_request: bytes = HEALTHY) -> int:
+    """Requests pipelined in batches of 100 on one connection that never reads, until ``until`` or the exporter
+    drops it; how many sent."""
     sent = 0
     with socket.create_connection(("127.0.0.1", port)) as connection:
         connection.settimeout(0.2)
         while time.monotonic() < until:
             try:
-                connection.sendall(HEALTHY * 100)
+                connection.sendall(sent_request * 100)
             except TimeoutError:  # the exporter stopped reading: its buffers and ours are full
                 continue
+            except OSError:  # dropped past the write deadline
+                break
             sent += 100
     return sent
 

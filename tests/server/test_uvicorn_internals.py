@@ -49,6 +49,8 @@ METHODS: dict[type, dict[str, tuple[str, ...]]] = {
         "on_headers_complete": (),
         "on_message_complete": (),
         "on_response_complete": (),
+        "pause_writing": (),
+        "resume_writing": (),
         "_start_asgi_task": ("cycle", "app"),
         "timeout_keep_alive_handler": (),
     },
@@ -58,13 +60,13 @@ METHODS: dict[type, dict[str, tuple[str, ...]]] = {
 AWAITED = {(RequestResponseCycle, "send"), (FlowControl, "drain")}
 # Attributes read or set on a connection's protocol and on its request's cycle and flow control.
 PROTOCOL_ATTRIBUTES = (
-    "access_log", "app", "connections", "cycle", "flow", "headers", "limit_concurrency", "logger", "loop",
+    "access_log", "app", "connections", "cycle", "flow", "headers", "logger", "loop",
     "pipeline", "scope", "tasks", "timeout_keep_alive_task", "transport",
 )  # fmt: skip
 CYCLE_ATTRIBUTES = ("disconnected", "more_body", "response_complete", "scope")
 # The settings ``serve`` gives ``uvicorn.run`` (which hands them to ``uvicorn.Config``).
 CONFIG_PARAMETERS = (
-    "http", "factory", "workers", "host", "port", "log_level", "access_log", "server_header", "limit_concurrency",
+    "http", "factory", "workers", "host", "port", "log_level", "access_log", "server_header",
     "timeout_keep_alive", "timeout_graceful_shutdown", "ssl_context_factory",
 )  # fmt: skip
 
