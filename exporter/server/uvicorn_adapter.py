@@ -243,7 +243,8 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         super().connection_made(transport)
         gc_freeze.connection_opened()
         limit = self.max_connections
-        if limit is not None and len(self.connections) >= limit and not self._make_room(limit):
+        # uvicorn counts this connection already: it is past the cap when the others fill it.
+        if limit is not None and len(self.connections) > limit and not self._make_room(limit):
             self._at_cap(limit)
             return
         self._arm_header_timer()

@@ -56,11 +56,17 @@ class WriteQueue:
         self._turns: dict[asyncio.AbstractEventLoop, list[Job | None]] = {}
 
     def put(self, job: Job | None) -> None:
-        """Queue ``job``: at once from a thread without an event loop, at the end of the loop's turn from one."""
+        """Queue ``job``: at once from a thread without an event loop, at the end of the loop's turn from one.
+
+        ``None`` (stop) goes at once, behind what this loop's turn put: whoever stops the writer waits for it, and
+        the turn's end would never come while it waits."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self._jobs.put([job])
+            return
+        if job is None:
+            self._jobs.put([*self._turns.pop(loop, []), None])
             return
         turn = self._turns.get(loop)
         if turn is None:
@@ -69,7 +75,9 @@ class WriteQueue:
         turn.append(job)
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._jobs.put(self._turns.pop(loop))
+        turn = self._turns.pop(loop, None)
+        if turn is not None:  # None: a stop took it along
+            self._jobs.put(turn)
 
     def settle(self) -> Future[object]:
         """A future done once a batch begun after this call is committed (or failed with its error)."""

@@ -160,7 +160,12 @@ class InProcess:
         app = create_app(Settings(storage_path=tmp_path / "exporter.db"), registry=CollectorRegistry())
         payload = ready_response(0, 1, 1)
         self.state = app.state.exporter.state
-        self.state.apply_ready(("slow", "r"), 0, decode_ready_response(payload), payload, "msgpack", 30.0).result(10)
+        # Committed from a thread of its own: made within a running event loop, a change reaches the writer only at
+        # the end of the loop's turn, which waiting for it here would never let come.
+        with ThreadPoolExecutor(1) as thread:
+            response = decode_ready_response(payload)
+            change = thread.submit(self.state.apply_ready, ("slow", "r"), 0, response, payload, "msgpack", 30.0)
+            change.result(10).result(10)
         self.config = uvicorn.Config(app, access_log=False, log_level="warning")
         self.config.load()
         self.protocol = HeartbeatAnsweringProtocol.configured(

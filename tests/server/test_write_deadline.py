@@ -106,13 +106,13 @@ def test_at_the_cap_the_connection_stalled_on_writing_longest_makes_room(tmp_pat
             assert await until(lambda: transport.paused)  # noqa: B023  # polled before the next is made
             stalled.append(transport)
             clock.now += 1
-        # The cap counts the connection being made: the third is below it, nothing closed; the fourth reaches it,
-        # the older stalled writer goes.
+        # Four connections fill the cap of four: nothing closed; the fifth is past it, the older stalled writer goes.
         _, third = exporter.connect(high=1 << 20)
-        assert not any(transport.closed for transport in [*stalled, third])
         _, fourth = exporter.connect(high=1 << 20)
+        assert not any(transport.closed for transport in [*stalled, third, fourth])
+        _, fifth = exporter.connect(high=1 << 20)
         assert stalled[0].aborted and not stalled[1].closed
-        assert not third.closed and not fourth.closed
+        assert not third.closed and not fourth.closed and not fifth.closed
         exporter.state.close()
 
     on_fake_clock(test)
@@ -125,12 +125,14 @@ def test_at_the_cap_the_head_incomplete_longest_makes_room_but_not_one_of_this_t
         protocol.data_received(PARTIAL_HEAD)
         clock.now += 1
         _, fresh = exporter.connect(high=1 << 20)  # accepted this turn: it has sent nothing yet
+        _, filling = exporter.connect(high=1 << 20)  # three open: the cap is full, nothing closed
+        assert not any(transport.closed for transport in (slow, fresh, filling))
         _, at_the_cap = exporter.connect(high=1 << 20)
         assert slow.closed and bytes(slow.written).startswith(STATUS_LINE + b"503 ")
-        assert not fresh.closed and not at_the_cap.closed
+        assert not fresh.closed and not filling.closed and not at_the_cap.closed
         _, one_more = exporter.connect(high=1 << 20)  # nothing left to close: the heads open are of this turn
         assert one_more.closed and bytes(one_more.written).startswith(STATUS_LINE + b"503 ")
-        assert not fresh.closed and not at_the_cap.closed
+        assert not fresh.closed and not filling.closed and not at_the_cap.closed
         exporter.state.close()
 
     on_fake_clock(test)

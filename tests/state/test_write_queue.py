@@ -43,6 +43,22 @@ def test_the_changes_of_one_turn_of_an_event_loop_reach_the_writer_together_at_i
     assert asyncio.run(one_turn()) == (None, [1, 2, 3])
 
 
+
+def test_a_stop_from_an_event_loop_goes_at_once_behind_the_changes_of_its_turn() -> None:
+    """Whoever stops the writer from a loop waits for it to end, so the stop cannot wait for the turn's end; the
+    changes the turn put before it still go first, and none is handed over twice."""
+    jobs = WriteQueue()
+
+    async def stopped_in_a_turn() -> tuple[list[int | None] | None, list[int | None] | None]:
+        for weight in (1, 2):
+            jobs.put(job(weight))
+        jobs.put(None)
+        at_once = weights(jobs.batch(0))
+        await asyncio.sleep(0)  # the turn's end hands over nothing more
+        return at_once, weights(jobs.batch(0))
+
+    assert asyncio.run(stopped_in_a_turn()) == ([1, 2, None], None)
+
 def test_a_turn_past_max_batch_is_taken_in_several_batches_in_its_order() -> None:
     jobs = WriteQueue()
 
