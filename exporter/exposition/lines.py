@@ -49,6 +49,23 @@ VALUES_KEPT = 4096
 _value = functools.lru_cache(maxsize=VALUES_KEPT)(floatToGoString)
 
 
+@functools.lru_cache(maxsize=PAIRS_KEPT)
+def _pair_bytes(label: str, value: str) -> int:
+    """The bytes of ``_pair(label, value)`` as sent (UTF-8)."""
+    return len(_pair(label, value).encode())
+
+
+@functools.lru_cache(maxsize=VALUES_KEPT)
+def _value_bytes(value: float) -> int:
+    return len(_value(value))
+
+
+def _line_bytes(name_bytes: int, labels: Labels, value: float) -> int:
+    """The bytes of ``_line(name, labels, value)`` without writing it: the name, the braces, the pairs and their
+    commas, the space, the value and the newline (every sample has its identity labels, so never none)."""
+    return name_bytes + sum(itertools.starmap(_pair_bytes, labels)) + len(labels) + _value_bytes(value) + 3
+
+
 def _line(name: str, labels: Labels, value: float) -> str:
     """A sample as both formats write it: who (deployment, replica, engine) first, then the labels in the
     order of the sending vLLM release; values as prometheus_client (so vLLM) writes them, like ``1056.0``."""
@@ -115,6 +132,7 @@ class ReplicaLines:
     def __init__(self, prefix: str = "", info_labels: InfoLabels = EVERY_LABEL) -> None:
         self.info_labels = info_labels
         self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
+        self._name_bytes = tuple(len(name.encode()) for name in self.names)
         self.headers = tuple(
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
             for name, family in zip(self.names, FAMILIES, strict=True)
@@ -218,8 +236,20 @@ class ReplicaLines:
         )
 
     def size(self, replica: Replica) -> int:
-        """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
-        return (self.part(replica) if replica.key in self._rendered else self._render(replica)).size
+        """The bytes of a replica's lines (for the budget).
+
+        A replica the last scrape had is rendered and cached: the writer renders it ahead anyway, so the budget's
+        measure and the next scrape share one render. Any other is counted from its samples without writing a
+        line (no strings built, nothing deflated): a fleet that is not scraped, or a replica that comes and goes
+        between scrapes, costs the budget a count, not a render that nothing would send.
+        """
+        if replica.key in self._rendered:
+            return self.part(replica).size
+        return sum(
+            _line_bytes(name_bytes, labels, value)
+            for name_bytes, samples in zip(self._name_bytes, replica_samples(replica, self.info_labels), strict=True)
+            for labels, value in samples
+        )
 
     def fleet(self, replicas: ReplicaMap) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time.
