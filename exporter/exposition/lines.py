@@ -18,16 +18,21 @@ from exporter.exposition.formats import GZIP_LEVEL
 from exporter.exposition.series import (
     EVERY_LABEL,
     FAMILIES,
+    INFO,
     LIVENESS,
+    Family,
     InfoLabels,
     Labels,
     Sample,
+    engine_samples,
     liveness_values,
     replica_identity,
+    replica_own_samples,
     replica_samples,
 )
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, ReplicaKey
+from protocol import EngineFigures
 
 # Label pairs rendered lately: a fleet's engines repeat the same release's labels and values, line after line.
 PAIRS_KEPT = 4096
@@ -84,6 +89,18 @@ def _inflate(deflated: bytes) -> bytes:
     return zlib.decompress(deflated, -zlib.MAX_WBITS)
 
 
+# Replicas whose engines' counts the byte budget keeps: those changing lately, each changing one engine at a time.
+COUNTS_KEPT = 4096
+
+
+class _EngineCount(NamedTuple):
+    """The bytes of an engine's lines but its info line, and what they depend on."""
+
+    figures: EngineFigures
+    received_at: float
+    size: int
+
+
 class ReplicaPart(NamedTuple):
     """A replica's lines: its info lines deflated, its other config families and its liveness (a bytes string per
     family), and the bytes of all its lines as sent.
@@ -132,7 +149,9 @@ class ReplicaLines:
     def __init__(self, prefix: str = "", info_labels: InfoLabels = EVERY_LABEL) -> None:
         self.info_labels = info_labels
         self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
-        self._name_bytes = tuple(len(name.encode()) for name in self.names)
+        self._name_bytes = {family: len(name.encode()) for family, name in zip(FAMILIES, self.names, strict=True)}
+        # Per replica the budget counted last (at most ``COUNTS_KEPT``): each engine's lines but its info line.
+        self._counts: dict[ReplicaKey, dict[int, _EngineCount]] = {}
         self.headers = tuple(
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
             for name, family in zip(self.names, FAMILIES, strict=True)
@@ -236,19 +255,47 @@ class ReplicaLines:
         )
 
     def size(self, replica: Replica) -> int:
-        """The bytes of a replica's lines (for the budget).
+        """The bytes of a replica's lines (for the budget; called from the writer's thread only).
 
         A replica the last scrape had is rendered and cached: the writer renders it ahead anyway, so the budget's
-        measure and the next scrape share one render. Any other is counted from its samples without writing a
-        line (no strings built, nothing deflated): a fleet that is not scraped, or a replica that comes and goes
-        between scrapes, costs the budget a count, not a render that nothing would send.
+        measure and the next scrape share one render. Any other is counted without writing a line (no strings
+        built, nothing deflated), an engine at a time: an engine whose figures and time of response are those of
+        the replica's last count keeps its count, so a change of one engine counts that engine's lines, the info
+        line of each (their labels are the replica's) and the replica's own lines.
         """
         if replica.key in self._rendered:
             return self.part(replica).size
+        total = self._counted(replica_own_samples(replica))
+        if not replica.engines:
+            self._counts.pop(replica.key, None)
+            return total
+        synced = replica.synced
+        info = self.info_labels.select(synced.labels)
+        info_bytes = sum(itertools.starmap(_pair_bytes, info)) + len(info)  # each pair with the comma before it
+        identity = replica_identity(replica)
+        last = self._counts.pop(replica.key, {})
+        counts: dict[int, _EngineCount] = {}
+        for engine, report in replica.engines.items():
+            engine_identity = (*identity, ("engine", str(engine)))
+            figures = synced.engines[engine]
+            count = last.get(engine)
+            if count is None or count.received_at != report.received_at or count.figures != figures:
+                samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
+                engine_samples(samples, engine_identity, figures, report.received_at)
+                count = _EngineCount(figures, report.received_at, self._counted(samples))
+            counts[engine] = count
+            total += count.size + _line_bytes(self._name_bytes[INFO], engine_identity, 1.0) + info_bytes
+        if len(self._counts) >= COUNTS_KEPT:
+            del self._counts[next(iter(self._counts))]  # the replica counted longest ago
+        self._counts[replica.key] = counts
+        return total
+
+    def _counted(self, samples: dict[Family, list[Sample]]) -> int:
+        """The bytes of the lines of ``samples`` (a list per family), counted as ``_line`` would write them."""
         return sum(
-            _line_bytes(name_bytes, labels, value)
-            for name_bytes, samples in zip(self._name_bytes, replica_samples(replica, self.info_labels), strict=True)
-            for labels, value in samples
+            _line_bytes(self._name_bytes[family], labels, value)
+            for family, family_samples in samples.items()
+            for labels, value in family_samples
         )
 
     def fleet(self, replicas: ReplicaMap) -> FleetLines:

@@ -12,16 +12,20 @@ from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import LABEL_PRESETS, InfoLabels
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, build_replica, engine_report
-from tests.support import fixture_bytes
+from tests.helpers.ready_responses import ready_response
 
-PAYLOAD = fixture_bytes("hybrid-tp1-post50809")
 # Label values a scrape must escape (backslash, quote, newline) or send as several UTF-8 bytes a character.
 TEXT = st.text(alphabet=st.sampled_from(["a", "Z", "7", "-", "\\", '"', "\n", "é", "模", "🙂"]), max_size=6)
 TIMES = st.floats(min_value=0.0, max_value=4e9, allow_nan=False) | st.integers(0, 2**31).map(float)
 
-# One change of a replica: its engines (index -> received at), its static label, its interval and last seen.
+# One change of a replica: its engines (index -> received at, GPU blocks), its static label, its interval and last
+# seen. Few distinct values, so that an engine is often unchanged from one change to the next.
 CHANGE = st.tuples(
-    st.dictionaries(st.integers(0, 11), TIMES, max_size=6),
+    st.dictionaries(
+        st.integers(0, 11),
+        st.tuples(st.sampled_from([1.0, 2.5, 3e9]), st.sampled_from([1, 1056, 2_000_000])),
+        max_size=6,
+    ),
     TEXT,
     st.none() | st.sampled_from([5.0, 30.0, 0.25]),
     TIMES,
@@ -29,9 +33,15 @@ CHANGE = st.tuples(
 )
 
 
-def _replica(name: str, change: tuple[dict[int, float], str, float | None, float, bool]) -> Replica:
+Change = tuple[dict[int, tuple[float, int]], str, float | None, float, bool]
+
+
+def _replica(name: str, change: Change) -> Replica:
     engines, label, heartbeat, last_seen, _ = change
-    reports = {engine: engine_report(engine, received, PAYLOAD, "msgpack") for engine, received in engines.items()}
+    reports = {
+        engine: engine_report(engine, received, ready_response(engine, blocks, 12), "msgpack")
+        for engine, (received, blocks) in engines.items()
+    }
     return build_replica(("dep-" + name, name), None, {"team": label}, heartbeat, last_seen, reports, {})
 
 
@@ -43,7 +53,7 @@ def _replica(name: str, change: tuple[dict[int, float], str, float | None, float
     prefix=st.sampled_from(["", "vllm:", "é_"]),
 )
 def test_the_budget_measures_exactly_what_a_full_render_sends(
-    name: str, changes: list[tuple[dict[int, float], str, float | None, float, bool]], compact: bool, prefix: str
+    name: str, changes: list[Change], compact: bool, prefix: str
 ) -> None:
     labels = InfoLabels(frozenset(LABEL_PRESETS["compact"])) if compact else InfoLabels()
     lines = ReplicaLines(prefix, labels)
