@@ -89,8 +89,9 @@ def _inflate(deflated: bytes) -> bytes:
     return zlib.decompress(deflated, -zlib.MAX_WBITS)
 
 
-# Replicas whose engines' counts the byte budget keeps: those changing lately, each changing one engine at a time.
-COUNTS_KEPT = 4096
+# Engines whose counts the byte budget keeps (about 0.1 KiB each), of the replicas it counted last: those changing
+# one engine at a time lately.
+COUNTS_KEPT = 8192
 
 
 class _EngineCount(NamedTuple):
@@ -150,8 +151,10 @@ class ReplicaLines:
         self.info_labels = info_labels
         self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
         self._name_bytes = {family: len(name.encode()) for family, name in zip(FAMILIES, self.names, strict=True)}
-        # Per replica the budget counted last (at most ``COUNTS_KEPT``): each engine's lines but its info line.
+        # Per replica the budget counted last (``COUNTS_KEPT`` engines at most): each engine's lines but its info
+        # line; ``_engines_counted``, how many engines that holds.
         self._counts: dict[ReplicaKey, dict[int, _EngineCount]] = {}
+        self._engines_counted = 0
         self.headers = tuple(
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
             for name, family in zip(self.names, FAMILIES, strict=True)
@@ -267,13 +270,14 @@ class ReplicaLines:
             return self.part(replica).size
         total = self._counted(replica_own_samples(replica))
         if not replica.engines:
-            self._counts.pop(replica.key, None)
+            self._engines_counted -= len(self._counts.pop(replica.key, {}))
             return total
         synced = replica.synced
         info = self.info_labels.select(synced.labels)
         info_bytes = sum(itertools.starmap(_pair_bytes, info)) + len(info)  # each pair with the comma before it
         identity = replica_identity(replica)
         last = self._counts.pop(replica.key, {})
+        self._engines_counted -= len(last)
         counts: dict[int, _EngineCount] = {}
         for engine, report in replica.engines.items():
             engine_identity = (*identity, ("engine", str(engine)))
@@ -285,9 +289,10 @@ class ReplicaLines:
                 count = _EngineCount(figures, report.received_at, self._counted(samples))
             counts[engine] = count
             total += count.size + _line_bytes(self._name_bytes[INFO], engine_identity, 1.0) + info_bytes
-        if len(self._counts) >= COUNTS_KEPT:
-            del self._counts[next(iter(self._counts))]  # the replica counted longest ago
         self._counts[replica.key] = counts
+        self._engines_counted += len(counts)
+        while self._engines_counted > COUNTS_KEPT:  # the replicas counted longest ago go first, this one last
+            self._engines_counted -= len(self._counts.pop(next(iter(self._counts))))
         return total
 
     def _counted(self, samples: dict[Family, list[Sample]]) -> int:

@@ -5,9 +5,11 @@ between), each measure against a fresh render of the same replica."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exporter.exposition import lines as line_cache
 from exporter.exposition.lines import ReplicaLines
 from exporter.exposition.series import LABEL_PRESETS, InfoLabels
 from exporter.state.replica_map import ReplicaMap
@@ -65,3 +67,20 @@ def test_the_budget_measures_exactly_what_a_full_render_sends(
         if change[-1]:  # a scrape: from now on the measure renders and keeps the replica's lines
             fleet = lines.fleet(ReplicaMap.of([replica]))
             assert fleet.length - sum(map(len, fleet.headers)) == measured
+
+
+def test_the_counts_kept_are_bounded_by_engines_the_oldest_replica_going_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget keeps each counted replica's engine counts for its next change, but at most ``COUNTS_KEPT``
+    engines' of them: at the bound every replica's stay, one engine past it the replica counted first goes."""
+    monkeypatch.setattr(line_cache, "COUNTS_KEPT", 16)
+    lines = ReplicaLines()
+    first, second = (
+        _replica(name, ({engine: (1.0, 1056) for engine in range(8)}, "", None, 5.0, False)) for name in "ab"
+    )
+    third = _replica("c", ({0: (1.0, 1056)}, "", None, 5.0, False))
+    for replica in (first, second):
+        lines.size(replica)
+    assert {key: len(counts) for key, counts in lines._counts.items()} == {first.key: 8, second.key: 8}
+    assert lines.size(third) == len(b"".join(ReplicaLines().of(third)))
+    assert {key: len(counts) for key, counts in lines._counts.items()} == {second.key: 8, third.key: 1}
+    assert lines.size(first) == len(b"".join(ReplicaLines().of(first))), "counted afresh"
