@@ -266,7 +266,8 @@ class ReplicaLines:
         the replica's last count keeps its count, so a change of one engine counts that engine's lines, the info
         line of each (their labels are the replica's) and the replica's own lines.
         """
-        if replica.key in self._rendered:
+        if replica.key in self._rendered:  # its counts, if any, are of replaced engines: they keep nothing alive
+            self._engines_counted -= len(self._counts.pop(replica.key, {}))
             return self.part(replica).size
         total = self._counted(replica_own_samples(replica))
         if not replica.engines:
