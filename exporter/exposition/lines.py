@@ -62,6 +62,7 @@ def _pair_bytes(label: str, value: str) -> int:
 
 @functools.lru_cache(maxsize=VALUES_KEPT)
 def _value_bytes(value: float) -> int:
+    """The bytes of ``_value(value)``: ASCII, so its length."""
     return len(_value(value))
 
 
@@ -89,8 +90,8 @@ def _inflate(deflated: bytes) -> bytes:
     return zlib.decompress(deflated, -zlib.MAX_WBITS)
 
 
-# Engines whose counts the byte budget keeps (about 0.1 KiB each), of the replicas it counted last: those changing
-# one engine at a time lately.
+# Engines whose counts the byte budget keeps, of the replicas it counted last: those changing one engine at a time
+# lately (a bound, so that replicas that come and go leave little behind).
 COUNTS_KEPT = 8192
 
 
@@ -266,7 +267,7 @@ class ReplicaLines:
         the replica's last count keeps its count, so a change of one engine counts that engine's lines, the info
         line of each (their labels are the replica's) and the replica's own lines.
         """
-        if replica.key in self._rendered:  # its counts, if any, are of replaced engines: they keep nothing alive
+        if replica.key in self._rendered:  # its counts go: they would keep replaced engines' figures alive
             self._engines_counted -= len(self._counts.pop(replica.key, {}))
             return self.part(replica).size
         total = self._counted(replica_own_samples(replica))
