@@ -25,7 +25,9 @@ Labels = tuple[tuple[str, str], ...]
 Sample = tuple[Labels, float]
 
 
-@dataclass(frozen=True)
+# Compared and hashed by identity (each family is one constant): a family keys the dict of every replica's samples,
+# built on each render and each count of the byte budget, and a generated hash of its fields costs a Python call.
+@dataclass(frozen=True, eq=False)
 class Family:
     suffix: str
     help: str
