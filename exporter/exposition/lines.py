@@ -18,16 +18,21 @@ from exporter.exposition.formats import GZIP_LEVEL
 from exporter.exposition.series import (
     EVERY_LABEL,
     FAMILIES,
+    INFO,
     LIVENESS,
+    Family,
     InfoLabels,
     Labels,
     Sample,
+    engine_samples,
     liveness_values,
     replica_identity,
+    replica_own_samples,
     replica_samples,
 )
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, ReplicaKey
+from protocol import EngineFigures
 
 # Label pairs rendered lately: a fleet's engines repeat the same release's labels and values, line after line.
 PAIRS_KEPT = 4096
@@ -49,6 +54,24 @@ VALUES_KEPT = 4096
 _value = functools.lru_cache(maxsize=VALUES_KEPT)(floatToGoString)
 
 
+@functools.lru_cache(maxsize=PAIRS_KEPT)
+def _pair_bytes(label: str, value: str) -> int:
+    """The bytes of ``_pair(label, value)`` as sent (UTF-8)."""
+    return len(_pair(label, value).encode())
+
+
+@functools.lru_cache(maxsize=VALUES_KEPT)
+def _value_bytes(value: float) -> int:
+    """The bytes of ``_value(value)``: ASCII, so its length."""
+    return len(_value(value))
+
+
+def _line_bytes(name_bytes: int, labels: Labels, value: float) -> int:
+    """The bytes of ``_line(name, labels, value)`` without writing it: the name, the braces, the pairs and their
+    commas, the space, the value and the newline (every sample has its identity labels, so never none)."""
+    return name_bytes + sum(itertools.starmap(_pair_bytes, labels)) + len(labels) + _value_bytes(value) + 3
+
+
 def _line(name: str, labels: Labels, value: float) -> str:
     """A sample as both formats write it: who (deployment, replica, engine) first, then the labels in the
     order of the sending vLLM release; values as prometheus_client (so vLLM) writes them, like ``1056.0``."""
@@ -65,6 +88,19 @@ def _deflate(lines: bytes) -> bytes:
 
 def _inflate(deflated: bytes) -> bytes:
     return zlib.decompress(deflated, -zlib.MAX_WBITS)
+
+
+# Engines whose counts the byte budget keeps, of the replicas it counted last: those changing one engine at a time
+# lately (a bound, so that replicas that come and go leave little behind).
+COUNTS_KEPT = 8192
+
+
+class _EngineCount(NamedTuple):
+    """The bytes of an engine's lines but its info line, and what they depend on."""
+
+    figures: EngineFigures
+    received_at: float
+    size: int
 
 
 class ReplicaPart(NamedTuple):
@@ -115,6 +151,11 @@ class ReplicaLines:
     def __init__(self, prefix: str = "", info_labels: InfoLabels = EVERY_LABEL) -> None:
         self.info_labels = info_labels
         self.names = tuple(f"{prefix}cache_config_{family.suffix}" for family in FAMILIES)
+        self._name_bytes = {family: len(name.encode()) for family, name in zip(FAMILIES, self.names, strict=True)}
+        # Per replica the budget counted last (``COUNTS_KEPT`` engines at most): each engine's lines but its info
+        # line; ``_engines_counted``, how many engines that holds.
+        self._counts: dict[ReplicaKey, dict[int, _EngineCount]] = {}
+        self._engines_counted = 0
         self.headers = tuple(
             f"# HELP {name} {family.help}\n# TYPE {name} gauge\n".encode()
             for name, family in zip(self.names, FAMILIES, strict=True)
@@ -218,8 +259,51 @@ class ReplicaLines:
         )
 
     def size(self, replica: Replica) -> int:
-        """The bytes of a replica's lines (for the budget); cached only for a replica the last scrape had."""
-        return (self.part(replica) if replica.key in self._rendered else self._render(replica)).size
+        """The bytes of a replica's lines (for the budget; called from the writer's thread only).
+
+        A replica the last scrape had is rendered and cached: the writer renders it ahead anyway, so the budget's
+        measure and the next scrape share one render. Any other is counted without writing a line (no strings
+        built, nothing deflated), an engine at a time: an engine whose figures and time of response are those of
+        the replica's last count keeps its count, so a change of one engine counts that engine's lines, the info
+        line of each (their labels are the replica's) and the replica's own lines.
+        """
+        if replica.key in self._rendered:  # its counts go: they would keep replaced engines' figures alive
+            self._engines_counted -= len(self._counts.pop(replica.key, {}))
+            return self.part(replica).size
+        total = self._counted(replica_own_samples(replica))
+        if not replica.engines:
+            self._engines_counted -= len(self._counts.pop(replica.key, {}))
+            return total
+        synced = replica.synced
+        info = self.info_labels.select(synced.labels)
+        info_bytes = sum(itertools.starmap(_pair_bytes, info)) + len(info)  # each pair with the comma before it
+        identity = replica_identity(replica)
+        last = self._counts.pop(replica.key, {})
+        self._engines_counted -= len(last)
+        counts: dict[int, _EngineCount] = {}
+        for engine, report in replica.engines.items():
+            engine_identity = (*identity, ("engine", str(engine)))
+            figures = synced.engines[engine]
+            count = last.get(engine)
+            if count is None or count.received_at != report.received_at or count.figures != figures:
+                samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
+                engine_samples(samples, engine_identity, figures, report.received_at)
+                count = _EngineCount(figures, report.received_at, self._counted(samples))
+            counts[engine] = count
+            total += count.size + _line_bytes(self._name_bytes[INFO], engine_identity, 1.0) + info_bytes
+        self._counts[replica.key] = counts
+        self._engines_counted += len(counts)
+        while self._engines_counted > COUNTS_KEPT:  # the replicas counted longest ago go first, this one last
+            self._engines_counted -= len(self._counts.pop(next(iter(self._counts))))
+        return total
+
+    def _counted(self, samples: dict[Family, list[Sample]]) -> int:
+        """The bytes of the lines of ``samples`` (a list per family), counted as ``_line`` would write them."""
+        return sum(
+            _line_bytes(self._name_bytes[family], labels, value)
+            for family, family_samples in samples.items()
+            for labels, value in family_samples
+        )
 
     def fleet(self, replicas: ReplicaMap) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time.

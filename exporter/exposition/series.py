@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from exporter.state.replicas import Replica
-from protocol import KVCacheGroups, releases
+from protocol import EngineFigures, KVCacheGroups, releases
 
 Labels = tuple[tuple[str, str], ...]
 Sample = tuple[Labels, float]
 
 
-@dataclass(frozen=True)
+# Compared and hashed by identity (each family is one constant): a family keys the dict of every replica's samples,
+# built on each render and each count of the byte budget, and a generated hash of its fields costs a Python call.
+@dataclass(frozen=True, eq=False)
 class Family:
     suffix: str
     help: str
@@ -245,6 +247,21 @@ EVERY_LABEL = InfoLabels()
 def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> tuple[list[Sample], ...]:
     """One replica's samples, a list per family of ``FAMILIES`` (in that order); ``cache_config_info`` carries the
     labels ``info_labels`` keeps."""
+    samples = replica_own_samples(replica)
+    if replica.engines:
+        synced = replica.synced
+        info = info_labels.select(synced.labels)
+        identity = replica_identity(replica)
+        for engine in sorted(replica.engines):
+            engine_identity = (*identity, ("engine", str(engine)))
+            samples[INFO].append(((*engine_identity, *info), 1.0))
+            engine_samples(samples, engine_identity, synced.engines[engine], replica.engines[engine].received_at)
+    return tuple(samples[family] for family in FAMILIES)
+
+
+def replica_own_samples(replica: Replica) -> dict[Family, list[Sample]]:
+    """A list per family of ``FAMILIES``, holding the replica's own samples (none of an engine's): apart, so that
+    the byte budget can count a replica's lines an engine at a time (``exporter/exposition/lines.py``)."""
     samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
     identity = replica_identity(replica)
     (samples[SEEN],) = liveness_samples(replica)
@@ -252,27 +269,29 @@ def replica_samples(replica: Replica, info_labels: InfoLabels = EVERY_LABEL) -> 
         samples[HEARTBEAT].append((identity, replica.heartbeat_seconds))
     if replica.engines:
         synced = replica.synced
-        info = info_labels.select(synced.labels)
-        for engine in sorted(replica.engines):
-            engine_identity = (*identity, ("engine", str(engine)))
-            samples[INFO].append(((*engine_identity, *info), 1.0))
-            figures = synced.engines[engine]
-            for family in ENGINE_GAUGES:
-                value = getattr(figures, family.suffix)
-                if value is not None:
-                    samples[family].append((engine_identity, value))
-            for family in (SOURCE, *RESOLVED_SOURCES):
-                source = getattr(figures, family.suffix.removesuffix("_info"))
-                if source is not None:
-                    samples[family].append(((*engine_identity, ("source", source)), 1.0))
-            if figures.kv_cache_groups is not None:
-                _group_samples(samples, engine_identity, figures.kv_cache_groups)
-            samples[UPDATED].append((engine_identity, replica.engines[engine].received_at))
         for field, count in synced.distinct_values.items():
             samples[DISTINCT].append(((*identity, ("field", field)), count))
         if synced.data_parallel_size is not None:
             samples[PARALLEL].append((identity, synced.data_parallel_size))
-    return tuple(samples[family] for family in FAMILIES)
+    return samples
+
+
+def engine_samples(
+    samples: dict[Family, list[Sample]], engine_identity: Labels, figures: EngineFigures, received_at: float
+) -> None:
+    """Append an engine's samples of every family but ``INFO`` (whose labels are the replica's): they depend on
+    its figures and when its response came only, so an unchanged engine's lines take the bytes they took."""
+    for family in ENGINE_GAUGES:
+        value = getattr(figures, family.suffix)
+        if value is not None:
+            samples[family].append((engine_identity, value))
+    for family in (SOURCE, *RESOLVED_SOURCES):
+        source = getattr(figures, family.suffix.removesuffix("_info"))
+        if source is not None:
+            samples[family].append(((*engine_identity, ("source", source)), 1.0))
+    if figures.kv_cache_groups is not None:
+        _group_samples(samples, engine_identity, figures.kv_cache_groups)
+    samples[UPDATED].append((engine_identity, received_at))
 
 
 def replica_identity(replica: Replica) -> Labels:
