@@ -43,7 +43,6 @@ def test_the_changes_of_one_turn_of_an_event_loop_reach_the_writer_together_at_i
     assert asyncio.run(one_turn()) == (None, [1, 2, 3])
 
 
-
 def test_a_stop_from_an_event_loop_goes_at_once_behind_the_changes_of_its_turn() -> None:
     """Whoever stops the writer from a loop waits for it to end, so the stop cannot wait for the turn's end; the
     changes the turn put before it still go first, and none is handed over twice."""
@@ -58,6 +57,7 @@ def test_a_stop_from_an_event_loop_goes_at_once_behind_the_changes_of_its_turn()
         return at_once, weights(jobs.batch(0))
 
     assert asyncio.run(stopped_in_a_turn()) == ([1, 2, None], None)
+
 
 def test_a_turn_past_max_batch_is_taken_in_several_batches_in_its_order() -> None:
     jobs = WriteQueue()
