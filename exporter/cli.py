@@ -209,7 +209,7 @@ def push(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _report(name: str | None, url: str, outcome: sender.Outcome) -> int:
+def _report(name: str | None, url: str, outcome: sender.CallResult) -> int:
     """Print what one exporter shows after the push (prefixed with its ``name`` when there are several);
     1 when it failed."""
     prefix = f"{name}: " if name else ""
@@ -221,7 +221,7 @@ def _report(name: str | None, url: str, outcome: sender.Outcome) -> int:
                 f"num_gpu_blocks={labels['num_gpu_blocks']}"
             )
             return 0
-        case sender.Refused():
+        case sender.Rejected():
             message = f"{prefix}{outcome}"
         case sender.Accepted():
             message = f"{prefix}{url} answered, but not with a deployment's synced state"

@@ -110,7 +110,7 @@ class StateOptions:
         1_024, "--limits.replicas-per-deployment", "most replicas (vLLM servers) kept per deployment"
     )
     # Per replica: one vLLM server's data-parallel engines.
-    max_engines_per_deployment: int = setting(
+    max_engines_per_replica: int = setting(
         1_024, "--limits.engines-per-deployment", "most engines kept per replica of a deployment"
     )
     # 80,000 engines of DP=8 servers (a hybrid model's, about 310 engines a MiB) with half again to spare.

@@ -134,7 +134,7 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
     def limits(self) -> Limits:
         """The cardinality caps of ``--limits.*``."""
         return Limits(
-            self.max_deployments, self.max_replicas_per_deployment, self.max_engines_per_deployment, self.max_bytes
+            self.max_deployments, self.max_replicas_per_deployment, self.max_engines_per_replica, self.max_bytes
         )
 
     def base_labels(self) -> dict[str, str]:

@@ -27,14 +27,15 @@ from protocol.labels import MAX_LABELS
 
 INFO = "vllm:cache_config_info"
 _INFO = INFO.encode()
-# Lines checked at once (about 1 ms of a slice), and the longest line (vLLM's is its info line, about 1.3 KiB).
+# Lines checked at once (their cost: docs/RELIABILITY.md, section 10), and the longest line (vLLM's is its info
+# line, about 1.3 KiB).
 WINDOW_BYTES = 16 << 10
 MAX_LINE_BYTES = 64 << 10
 # Different label sets one engine may show (several API servers, one of them behind), and model names.
 MAX_LABEL_SETS = 8
 MAX_MODELS = 16
 MAX_ENGINE_DIGITS = 5
-_MAX_ENGINES_FLAG = flag_of("max_engines_per_deployment")
+_MAX_ENGINES_FLAG = flag_of("max_engines_per_replica")
 T = TypeVar("T")
 
 _AT_START = rb"[ \t]*+"
