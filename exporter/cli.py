@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from exporter import __version__
-from exporter.config.addresses import split_listen_address
-from exporter.config.option import Option, SettingsError
-from exporter.config.options import DEFAULT_PORT
 from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
 from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, create_shared_counts
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.flags.option import Option, SettingsError
+from exporter.security.addresses import split_listen_address
+from exporter.security.options import DEFAULT_PORT
 from exporter.state.owner import own
 from exporter.state.storage import SqliteStore, StorageError
 from exporter.vllm_plugin import sender

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import msgspec
 
-from exporter.config.addresses import is_loopback, split_listen_address
 from exporter.config.allowlist import AllowList
-from exporter.config.option import OPTION, Option, SettingsError, optional_path, read_file
-from exporter.config.options import OutputOptions, ProbeOptions, StateOptions, WebOptions
+from exporter.config.options import OutputOptions, ProbeOptions, StateOptions
 from exporter.exposition.series import InfoLabels, LabelChoiceError, LabelFlags
+from exporter.flags.option import OPTION, Option, SettingsError, optional_path, read_file
+from exporter.security.addresses import is_loopback, split_listen_address
+from exporter.security.options import WebOptions
 from exporter.state.limits import Limits
 from protocol import InvalidPayload, decode_static_labels
 

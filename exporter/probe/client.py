@@ -26,9 +26,9 @@ import h11
 
 from exporter import __version__
 from exporter.config.allowlist import ProbeTarget
-from exporter.config.option import SettingsError, read_secret
 from exporter.config.settings import Settings, flag_of
-from exporter.config.watched_files import Watched
+from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.watched_files import Watched
 from exporter.probe.turns import ProbeTurns
 from protocol import tokens
 

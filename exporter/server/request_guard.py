@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exporter.config.addresses import is_loopback
 from exporter.config.settings import flag_of
 from exporter.errors import (
     BodyTimeout,
@@ -24,6 +23,7 @@ from exporter.errors import (
     ClientDisconnected,
     HostNotServed,
 )
+from exporter.security.addresses import is_loopback
 from exporter.server.problems import Problem, problem_for
 
 # Answers a refusal made here (and counts it, as the app counts every refusal).

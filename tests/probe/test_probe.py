@@ -24,8 +24,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from exporter.config.option import SettingsError
 from exporter.config.settings import Settings
+from exporter.flags.option import SettingsError
 from exporter.probe.client import ProbeFailed
 from exporter.probe.prober import RESULTS, release_of_labels
 from protocol import releases
