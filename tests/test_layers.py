@@ -23,9 +23,9 @@ BELOW = {
     "exporter.exposition": {"exporter.state"},
     "exporter.flags": {"protocol"},
     "exporter.security": {"exporter", "exporter.errors", "exporter.flags", "protocol"},
-    "exporter.config": {"exporter.exposition", "exporter.security"},
-    "exporter.probe": {"exporter.config"},
-    "exporter.server": {"exporter.probe", "exporter.security"},
+    "exporter.probe": {"exporter.exposition", "exporter.flags"},
+    "exporter.config": {"exporter.probe", "exporter.security"},
+    "exporter.server": {"exporter.config"},
     "exporter.cli": {"exporter.server", "exporter.vllm_plugin"},
 }
 

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import msgspec
 
-from exporter.config.allowlist import AllowList
-from exporter.config.options import OutputOptions, ProbeOptions, StateOptions
+from exporter.config.options import OutputOptions, StateOptions
 from exporter.exposition.series import InfoLabels, LabelChoiceError, LabelFlags
 from exporter.flags.option import OPTION, Option, SettingsError, optional_path, read_file
+from exporter.probe.allowlist import AllowList
+from exporter.probe.options import ProbeOptions
 from exporter.security.addresses import is_loopback, split_listen_address
 from exporter.security.options import WebOptions
 from exporter.state.limits import Limits
@@ -118,6 +119,10 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
                 f"{flag_of('probe_bearer_token_file')} and {flag_of('probe_basic_auth_password_file')} "
                 "exclude each other"
             )
+
+    def flag(self, name: str) -> str:
+        """``flag_of`` for the parts that take the settings as a protocol of their own (``ProbeSettings``)."""
+        return flag_of(name)
 
     def info_labels(self) -> InfoLabels:
         """The labels ``cache_config_info`` keeps: ``--metric.labels-preset``, ``-allowlist`` or ``-denylist``."""

@@ -36,8 +36,6 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.config.allowlist import AllowList, ProbeTarget
-from exporter.config.settings import Settings, flag_of
 from exporter.errors import ClientDisconnected, Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
@@ -45,7 +43,9 @@ from exporter.exposition.series import FAMILIES
 from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, SharedCounter
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.probe.addresses import addresses_of
+from exporter.probe.allowlist import AllowList, ProbeTarget
 from exporter.probe.client import MetricsClient, ProbeFailed
+from exporter.probe.options import ProbeSettings, probe_flag
 from exporter.probe.text_format import INFO, Shown, TextReader
 from exporter.probe.turns import Turns
 from exporter.state.replicas import Replica, build_replica, engine_report
@@ -70,7 +70,7 @@ _SERVER_FIGURES = frozenset({"num_gpu_blocks", "kv_cache_size_tokens", "kv_cache
 # A ready response needs a max_model_len; vLLM's /metrics has none, and its family is not published.
 _UNSHOWN_MAX_MODEL_LEN = 1
 _log = logging.getLogger("cache_config_exporter")
-_MAX_RUNNING_FLAG = flag_of("probe_max_concurrent")
+_MAX_RUNNING_FLAG = probe_flag("probe_max_concurrent")
 BUSY_WARNING_SECONDS = 10.0
 
 
@@ -257,11 +257,12 @@ def _results_counter(registry: CollectorRegistry) -> Callable[[str], None]:
 class Prober:
     """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
 
-    def __init__(self, settings: Settings, base_labels: Mapping[str, str], registry: CollectorRegistry) -> None:
+    def __init__(self, settings: ProbeSettings, base_labels: Mapping[str, str], registry: CollectorRegistry) -> None:
         self.allowlist = AllowList.parse(settings.probe_allowed_targets)
         self.client = MetricsClient.from_settings(settings)
         self.max_seconds = settings.probe_timeout_seconds
         self.max_engines = settings.max_engines_per_replica
+        self.max_engines_flag = settings.flag("max_engines_per_replica")
         self.max_running = settings.probe_max_concurrent
         self.running = 0
         self.turns = Turns()
@@ -316,7 +317,7 @@ class Prober:
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
-                body, turns = TextReader(self.max_engines), self.turns.of_probe()
+                body, turns = TextReader(self.max_engines, self.max_engines_flag), self.turns.of_probe()
                 await self.client.fetch(target, addresses, log, turns, body)
                 log(f"read {body.bytes_read} bytes")
                 shown = await turns.run(body.finish())
