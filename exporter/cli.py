@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from exporter import __version__
-from exporter.config.addresses import split_listen_address
-from exporter.config.option import Option, SettingsError
-from exporter.config.options import DEFAULT_PORT
 from exporter.config.settings import SETTINGS_ENVIRONMENT, Settings, add_options, serve_options, settings_from
 from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, create_shared_counts
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
+from exporter.flags.option import Option, SettingsError
+from exporter.security.addresses import split_listen_address
+from exporter.security.options import DEFAULT_PORT
 from exporter.state.owner import own
 from exporter.state.storage import SqliteStore, StorageError
 from exporter.vllm_plugin import sender
@@ -210,7 +210,7 @@ def push(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _report(name: str | None, url: str, outcome: sender.Outcome) -> int:
+def _report(name: str | None, url: str, outcome: sender.CallResult) -> int:
     """Print what one exporter shows after the push (prefixed with its ``name`` when there are several);
     1 when it failed."""
     prefix = f"{name}: " if name else ""
@@ -222,7 +222,7 @@ def _report(name: str | None, url: str, outcome: sender.Outcome) -> int:
                 f"num_gpu_blocks={labels['num_gpu_blocks']}"
             )
             return 0
-        case sender.Refused():
+        case sender.Rejected():
             message = f"{prefix}{outcome}"
         case sender.Accepted():
             message = f"{prefix}{url} answered, but not with a deployment's synced state"

@@ -21,10 +21,11 @@ BELOW = {
     "exporter.vllm_plugin": {"exporter", "protocol"},
     "exporter.state": {"exporter", "exporter.errors", "protocol"},
     "exporter.exposition": {"exporter.state"},
-    "exporter.config": {"exporter.exposition"},
-    "exporter.security": {"exporter", "exporter.errors", "exporter.config", "protocol"},
-    "exporter.probe": {"exporter.config"},
-    "exporter.server": {"exporter.probe", "exporter.security"},
+    "exporter.flags": {"protocol"},
+    "exporter.security": {"exporter", "exporter.errors", "exporter.flags", "protocol"},
+    "exporter.probe": {"exporter.exposition", "exporter.flags"},
+    "exporter.config": {"exporter.probe", "exporter.security"},
+    "exporter.server": {"exporter.config"},
     "exporter.cli": {"exporter.server", "exporter.vllm_plugin"},
 }
 

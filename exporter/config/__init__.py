@@ -1,7 +1,7 @@
-"""The options: ``serve``'s flags and environment variables, declared once, parsed and checked into
-``Settings``, with the value types they parse into (limits, label choices, the probe's allowlist), and the
-files options name, loaded again when they change (``watched_files``: certificates, tokens, the probe's secrets).
+"""The options as the command line joins them: ``Settings`` inherits the web group (``exporter.security``) and
+the probe's (``exporter.probe``), declares the state's and the output's with the value types they parse into
+(limits, label choices), parses ``serve``'s flags and environment variables and checks the groups together.
 
-May import the exposition and the state (the value types of their options: limits, label choices) and what
-they may; never security, the probe or the server, which read their options from here.
+May import security, the probe and the exposition, whose groups it joins, and what they may; never the server,
+which reads its options from here.
 """

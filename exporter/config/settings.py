@@ -21,11 +21,13 @@ from pathlib import Path
 
 import msgspec
 
-from exporter.config.addresses import is_loopback, split_listen_address
-from exporter.config.allowlist import AllowList
-from exporter.config.option import OPTION, Option, SettingsError, optional_path, read_file
-from exporter.config.options import OutputOptions, ProbeOptions, StateOptions, WebOptions
+from exporter.config.options import OutputOptions, StateOptions
 from exporter.exposition.series import InfoLabels, LabelChoiceError, LabelFlags
+from exporter.flags.option import OPTION, Option, SettingsError, optional_path, read_file
+from exporter.probe.allowlist import AllowList
+from exporter.probe.options import ProbeOptions
+from exporter.security.addresses import is_loopback, split_listen_address
+from exporter.security.options import WebOptions
 from exporter.state.limits import Limits
 from protocol import InvalidPayload, decode_static_labels
 
@@ -118,6 +120,10 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
                 "exclude each other"
             )
 
+    def flag(self, name: str) -> str:
+        """``flag_of`` for the parts that take the settings as a protocol of their own (``ProbeSettings``)."""
+        return flag_of(name)
+
     def info_labels(self) -> InfoLabels:
         """The labels ``cache_config_info`` keeps: ``--metric.labels-preset``, ``-allowlist`` or ``-denylist``."""
         names = ("metric_labels_allowlist", "metric_labels_denylist", "metric_labels_preset")
@@ -134,7 +140,7 @@ class Settings(ProbeOptions, OutputOptions, StateOptions, WebOptions):
     def limits(self) -> Limits:
         """The cardinality caps of ``--limits.*``."""
         return Limits(
-            self.max_deployments, self.max_replicas_per_deployment, self.max_engines_per_deployment, self.max_bytes
+            self.max_deployments, self.max_replicas_per_deployment, self.max_engines_per_replica, self.max_bytes
         )
 
     def base_labels(self) -> dict[str, str]:

@@ -1,12 +1,12 @@
 """The one DNS lookup a probe makes: the addresses to connect to, of a target the allowlist permitted
-(``AllowList.check``, ``exporter/config/allowlist.py``, which decides without resolving anything)."""
+(``AllowList.check``, ``exporter/probe/allowlist.py``, which decides without resolving anything)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from exporter.config.allowlist import ProbeTarget
+from exporter.probe.allowlist import ProbeTarget
 
 
 async def addresses_of(target: ProbeTarget) -> list[str]:

@@ -25,10 +25,10 @@ from typing import Protocol
 import h11
 
 from exporter import __version__
-from exporter.config.allowlist import ProbeTarget
-from exporter.config.option import SettingsError, read_secret
-from exporter.config.settings import Settings, flag_of
-from exporter.config.watched_files import Watched
+from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.watched_files import Watched
+from exporter.probe.allowlist import ProbeTarget
+from exporter.probe.options import ProbeSettings, probe_flag
 from exporter.probe.turns import ProbeTurns
 from protocol import tokens
 
@@ -37,7 +37,7 @@ MAX_HEAD_BYTES = 16 << 10
 _READ_BYTES = 64 << 10
 # Prometheus text, as Prometheus itself asks for it; never compressed, so the body cap is what is read.
 _ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
-_MAX_BODY_FLAG = flag_of("probe_max_body_bytes")
+_MAX_BODY_FLAG = probe_flag("probe_max_body_bytes")
 
 
 class ProbeFailed(Exception):
@@ -49,10 +49,10 @@ class ProbeFailed(Exception):
         self.detail = detail
 
 
-def _authorization(settings: Settings) -> Watched[str] | None:
+def _authorization(settings: ProbeSettings) -> Watched[str] | None:
     """The ``Authorization`` header value, from the secret file of the settings; ``None`` without one."""
     if settings.probe_bearer_token_file is not None:
-        flag, path = flag_of("probe_bearer_token_file"), settings.probe_bearer_token_file
+        flag, path = probe_flag("probe_bearer_token_file"), settings.probe_bearer_token_file
 
         def load() -> tuple[str, tuple[Path, ...]]:
             try:
@@ -61,7 +61,7 @@ def _authorization(settings: Settings) -> Watched[str] | None:
                 raise SettingsError(f"{flag} {path}: {error}") from None
 
     elif settings.probe_basic_auth_password_file is not None:
-        flag, path = flag_of("probe_basic_auth_password_file"), settings.probe_basic_auth_password_file
+        flag, path = probe_flag("probe_basic_auth_password_file"), settings.probe_basic_auth_password_file
 
         def load() -> tuple[str, tuple[Path, ...]]:
             pair = f"{settings.probe_basic_auth_username}:{read_secret(flag, path)}".encode()
@@ -72,9 +72,9 @@ def _authorization(settings: Settings) -> Watched[str] | None:
     return Watched(f"{flag} {path}", load)
 
 
-def _tls_context(settings: Settings) -> ssl.SSLContext:
+def _tls_context(settings: ProbeSettings) -> ssl.SSLContext:
     """The system's trust store, or ``--probe.tls-ca-file``; verification off only when asked for."""
-    flag = flag_of("probe_tls_ca_file")
+    flag = probe_flag("probe_tls_ca_file")
     try:
         context = ssl.create_default_context(cafile=settings.probe_tls_ca_file)
     except (OSError, ssl.SSLError) as error:
@@ -96,7 +96,7 @@ class MetricsClient:
     authorization: Watched[str] | None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> MetricsClient:
+    def from_settings(cls, settings: ProbeSettings) -> MetricsClient:
         """Reads the CA and secret files now: a wrong one stops start-up (``SettingsError``)."""
         return cls(
             max_body_bytes=settings.probe_max_body_bytes,

@@ -36,8 +36,6 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.config.allowlist import AllowList, ProbeTarget
-from exporter.config.settings import Settings, flag_of
 from exporter.errors import ClientDisconnected, Refused
 from exporter.exposition.formats import TEXT, negotiate
 from exporter.exposition.lines import ReplicaLines
@@ -45,7 +43,9 @@ from exporter.exposition.series import FAMILIES
 from exporter.exposition.shared_counts import SHARED_COUNTS_ENVIRONMENT, SharedCounter
 from exporter.exposition.telemetry import MULTIPROCESS_ENVIRONMENT
 from exporter.probe.addresses import addresses_of
+from exporter.probe.allowlist import AllowList, ProbeTarget
 from exporter.probe.client import MetricsClient, ProbeFailed
+from exporter.probe.options import ProbeSettings, probe_flag
 from exporter.probe.text_format import INFO, Shown, TextReader
 from exporter.probe.turns import Turns
 from exporter.state.replicas import Replica, build_replica, engine_report
@@ -70,7 +70,7 @@ _SERVER_FIGURES = frozenset({"num_gpu_blocks", "kv_cache_size_tokens", "kv_cache
 # A ready response needs a max_model_len; vLLM's /metrics has none, and its family is not published.
 _UNSHOWN_MAX_MODEL_LEN = 1
 _log = logging.getLogger("cache_config_exporter")
-_MAX_RUNNING_FLAG = flag_of("probe_max_concurrent")
+_MAX_RUNNING_FLAG = probe_flag("probe_max_concurrent")
 BUSY_WARNING_SECONDS = 10.0
 
 
@@ -176,7 +176,7 @@ def _without_value(invalid: InvalidPayload, release: Release) -> str:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ProbeAnswer:
     """One probe's answer: the cache-config series (empty when it failed), its result, time and log."""
 
     result: str
@@ -205,7 +205,7 @@ class Outcome:
 class _ProbeMetrics(Collector):
     """blackbox_exporter's probe_success and probe_duration_seconds, under the exporter's names."""
 
-    def __init__(self, outcome: Outcome) -> None:
+    def __init__(self, outcome: ProbeAnswer) -> None:
         self._outcome = outcome
 
     def collect(self) -> Iterator[Metric]:
@@ -221,7 +221,7 @@ class _ProbeMetrics(Collector):
         )
 
 
-async def _unless_departed(work: Coroutine[Any, Any, Outcome], departed: asyncio.Future[Any] | None) -> Outcome:
+async def _unless_departed(work: Coroutine[Any, Any, ProbeAnswer], departed: asyncio.Future[Any] | None) -> ProbeAnswer:
     """``work``'s outcome, or ``ClientDisconnected`` once ``departed`` is done first (``work`` is cancelled, and
     awaited: its connection to the target is closed before the slot is given back)."""
     if departed is None:
@@ -257,11 +257,12 @@ def _results_counter(registry: CollectorRegistry) -> Callable[[str], None]:
 class Prober:
     """Probes targets for ``/probe``: the allowlist, the HTTP client and the rendering, from the settings."""
 
-    def __init__(self, settings: Settings, base_labels: Mapping[str, str], registry: CollectorRegistry) -> None:
+    def __init__(self, settings: ProbeSettings, base_labels: Mapping[str, str], registry: CollectorRegistry) -> None:
         self.allowlist = AllowList.parse(settings.probe_allowed_targets)
         self.client = MetricsClient.from_settings(settings)
         self.max_seconds = settings.probe_timeout_seconds
-        self.max_engines = settings.max_engines_per_deployment
+        self.max_engines = settings.max_engines_per_replica
+        self.max_engines_flag = settings.flag("max_engines_per_replica")
         self.max_running = settings.probe_max_concurrent
         self.running = 0
         self.turns = Turns()
@@ -279,7 +280,7 @@ class Prober:
 
     async def probe(
         self, target: ProbeTarget, deployment: str | None, timeout: float, departed: asyncio.Future[Any] | None = None
-    ) -> Outcome:
+    ) -> ProbeAnswer:
         """Probe ``target``; raises ``TargetForbidden`` when the allowlist does not permit it, and
         ``TooManyProbes`` when ``--probe.max-concurrent`` probes are running (no queue: the client retries).
 
@@ -304,7 +305,7 @@ class Prober:
                       outcome.log[-1])  # fmt: skip
         return outcome
 
-    async def _run(self, target: ProbeTarget, deployment: str | None, timeout: float) -> Outcome:
+    async def _run(self, target: ProbeTarget, deployment: str | None, timeout: float) -> ProbeAnswer:
         """Everything a probe does, within ``timeout``: at the deadline it stops wherever it is."""
         log = ProbeLog()
         log(f"probing {self.client.scheme}://{target.text}/metrics, timeout {timeout:g} s")
@@ -316,11 +317,12 @@ class Prober:
                 except OSError as error:
                     reason = error.strerror or error
                     raise ProbeFailed("unreachable", f"cannot resolve {target.host}: {reason}") from None
-                body, turns = TextReader(self.max_engines), self.turns.of_probe()
+                body, turns = TextReader(self.max_engines, self.max_engines_flag), self.turns.of_probe()
                 await self.client.fetch(target, addresses, log, turns, body)
                 log(f"read {body.bytes_read} bytes")
                 shown = await turns.run(body.finish())
-            # At most --limits.engines-per-deployment engines (1,024: 75 ms), off the loop; the request waits.
+            # At most --limits.engines-per-deployment engines (their cost: docs/RELIABILITY.md, section 10), off the
+            # loop; the request waits.
             series = await asyncio.to_thread(self._answer, shown, target, deployment, log)
         except ProbeFailed as failure:
             result = failure.result
@@ -328,7 +330,7 @@ class Prober:
         except TimeoutError:
             result = "timeout"
             log(f"no complete answer within {timeout:g} s")
-        return Outcome(result, log.seconds, series, list(log.lines))
+        return ProbeAnswer(result, log.seconds, series, list(log.lines))
 
     def _warn_busy(self) -> None:
         """Say so, at most every ``BUSY_WARNING_SECONDS``: a flood of probes must not flood the log as well."""

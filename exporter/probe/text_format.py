@@ -21,20 +21,19 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NoReturn, TypeVar
 
-from exporter.config.settings import flag_of
 from exporter.probe.client import ProbeFailed
 from protocol.labels import MAX_LABELS
 
 INFO = "vllm:cache_config_info"
 _INFO = INFO.encode()
-# Lines checked at once (about 1 ms of a slice), and the longest line (vLLM's is its info line, about 1.3 KiB).
+# Lines checked at once (their cost: docs/RELIABILITY.md, section 10), and the longest line (vLLM's is its info
+# line, about 1.3 KiB).
 WINDOW_BYTES = 16 << 10
 MAX_LINE_BYTES = 64 << 10
 # Different label sets one engine may show (several API servers, one of them behind), and model names.
 MAX_LABEL_SETS = 8
 MAX_MODELS = 16
 MAX_ENGINE_DIGITS = 5
-_MAX_ENGINES_FLAG = flag_of("max_engines_per_deployment")
 T = TypeVar("T")
 
 _AT_START = rb"[ \t]*+"
@@ -120,8 +119,9 @@ class TextReader:
     """One body, read a piece at a time: the raw label sets of each engine (with how often, and where first),
     and the models; ``ProbeFailed`` names the first line that breaks a rule, and where it is."""
 
-    def __init__(self, max_engines: int) -> None:
+    def __init__(self, max_engines: int, max_engines_flag: str) -> None:
         self.max_engines = max_engines
+        self.max_engines_flag = max_engines_flag  # named in the refusal of one engine more
         self.pending = bytearray()  # the body's bytes from the first line not read yet
         self.bytes_before = 0  # of the body before ``pending``
         self.lines_before = 0
@@ -235,7 +235,7 @@ class TextReader:
         sets = self.label_sets.setdefault(int(engine), {})
         if len(self.label_sets) > self.max_engines:
             raise ProbeFailed("invalid", f"{self._where(start)}: more than {self.max_engines} engines, the most "
-                                         f"{_MAX_ENGINES_FLAG} allows")  # fmt: skip
+                                         f"{self.max_engines_flag} allows")  # fmt: skip
         key = bytes(labels)
         if key not in sets:
             sets[key] = [0, *self._location(start)]

@@ -1,7 +1,7 @@
 """Who may do what: ingest and every change need an ingest bearer token; reading metrics and state needs a
 metrics token or a basic-auth user, when configured.
 
-The access files are watched (``exporter/config/watched_files.py``): tokens, passwords and certificates rotate without
+The access files are watched (``exporter/flags/watched_files.py``): tokens, passwords and certificates rotate without
 a restart. Secrets are compared in constant time and never appear in logs or error bodies. A refusal is an
 ``Unauthorized`` (401 with its challenge) or, when too many password checks wait, an ``AuthenticationBusy``;
 ``exporter/server/problems.py``'s table gives both their status.
@@ -21,12 +21,12 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.config.option import SettingsError, read_secret
-from exporter.config.settings import Settings, flag_of
-from exporter.config.watched_files import Watched
 from exporter.errors import Refused
+from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.watched_files import Watched
 from exporter.security.bcrypt_checks import BcryptChecks
 from exporter.security.https_listener import watched_tls
+from exporter.security.options import WebOptions, web_flag
 from exporter.security.token_file import watched_tokens
 from exporter.security.web_config import WEB_CONFIG_FLAG, WebConfig, watched_web_config
 
@@ -52,7 +52,7 @@ class Credentials:
     _bcrypt: BcryptChecks = field(default_factory=BcryptChecks)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Credentials:
+    def from_settings(cls, settings: WebOptions) -> Credentials:
         def tokens(flag: str, path: Path | None) -> Watched[frozenset[bytes]] | None:
             return watched_tokens(flag, path) if path is not None else None
 
@@ -62,8 +62,8 @@ class Credentials:
         elif settings.tls_cert_file is not None:
             web_config = watched_tls(settings)
         return cls(
-            ingest_tokens=tokens(flag_of("ingest_token_file"), settings.ingest_token_file),
-            metrics_tokens=tokens(flag_of("metrics_token_file"), settings.metrics_token_file),
+            ingest_tokens=tokens(web_flag("ingest_token_file"), settings.ingest_token_file),
+            metrics_tokens=tokens(web_flag("metrics_token_file"), settings.metrics_token_file),
             web_config=web_config,
             plain_users=_plain_users(settings.metrics_basic_auth_file),
         )
@@ -145,7 +145,7 @@ def _plain_users(path: Path | None) -> dict[str, bytes] | None:
     """``--web.metrics-basic-auth-file``: deprecated ``USER:PASSWORD`` lines, read once at start."""
     if path is None:
         return None
-    flag = flag_of("metrics_basic_auth_file")
+    flag = web_flag("metrics_basic_auth_file")
     _log.warning(
         "%s keeps passwords in plain text and is deprecated: put bcrypt hashes under basic_auth_users in %s instead",
         flag,

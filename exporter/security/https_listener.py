@@ -1,7 +1,7 @@
 """What the HTTPS listener serves: the certificate of the web config or of the older TLS flags, per handshake.
 
 uvicorn builds the listener's context once; its SNI callback hands every handshake the context of the files as
-they are now (``exporter/config/watched_files.py``), so a renewed certificate applies without a restart.
+they are now (``exporter/flags/watched_files.py``), so a renewed certificate applies without a restart.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.config.settings import Settings, flag_of
-from exporter.config.watched_files import Watched
+from exporter.flags.watched_files import Watched
+from exporter.security.options import WebOptions, web_flag
 from exporter.security.tls import tls_context
 from exporter.security.web_config import WebConfig, watched_web_config
 
@@ -20,16 +20,16 @@ from exporter.security.web_config import WebConfig, watched_web_config
 @functools.cache
 def _watched_tls_flags(cert_file: Path, key_file: Path) -> Watched[WebConfig]:
     """``--web.tls-cert-file`` and ``--web.tls-key-file``: reloaded on change like the web config's TLS."""
-    cert_flag = flag_of("tls_cert_file")
+    cert_flag = web_flag("tls_cert_file")
 
     def load() -> tuple[WebConfig, tuple[Path, ...]]:
-        context = tls_context(cert_file, key_file, f"{cert_flag}/{flag_of('tls_key_file')}")
+        context = tls_context(cert_file, key_file, f"{cert_flag}/{web_flag('tls_key_file')}")
         return WebConfig(context), (cert_file, key_file)
 
     return Watched(f"{cert_flag} {cert_file}", load)
 
 
-def watched_tls(settings: Settings) -> Watched[WebConfig] | None:
+def watched_tls(settings: WebOptions) -> Watched[WebConfig] | None:
     """Where the listener's certificate comes from; ``None``: plain HTTP."""
     if settings.web_config_file is not None:
         watched = watched_web_config(settings.web_config_file)
@@ -46,7 +46,7 @@ class ReloadingTls:
     A picklable recipe (worker processes build their own): the settings' web config or TLS flags.
     """
 
-    settings: Settings
+    settings: WebOptions
 
     def __call__(self, config: object, default_factory: object) -> ssl.SSLContext:
         watched = watched_tls(self.settings)

@@ -6,7 +6,7 @@ import ssl
 from pathlib import Path
 from typing import Literal
 
-from exporter.config.option import SettingsError
+from exporter.flags.option import SettingsError
 
 TlsVersion = Literal["TLS10", "TLS11", "TLS12", "TLS13"]
 TLS_VERSIONS: dict[str, ssl.TLSVersion] = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporter.config.option import SettingsError, read_secret
-from exporter.config.watched_files import Watched
+from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.watched_files import Watched
 
 
 def watched_tokens(flag: str, path: Path) -> Watched[frozenset[bytes]]:

@@ -4,7 +4,7 @@ The file sets ``tls_server_config`` (certificate, key, protocol versions), ``bas
 and ``http_server_config.headers``. As exporter-toolkit (yaml ``UnmarshalStrict``) does, unknown fields and
 repeated keys are refused; exporter-toolkit's fields this exporter does not implement are refused by name. Every
 error names the file and the ``$.path`` at fault, never a secret. The file, and the certificate and key it names,
-are watched (``exporter/config/watched_files.py``): a change applies at the next request or TLS handshake.
+are watched (``exporter/flags/watched_files.py``): a change applies at the next request or TLS handshake.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Annotated, Any
 import msgspec
 import yaml
 
-from exporter.config.option import SettingsError, read_file
-from exporter.config.settings import flag_of
-from exporter.config.watched_files import Watched
+from exporter.flags.option import SettingsError, read_file
+from exporter.flags.watched_files import Watched
+from exporter.security.options import web_flag
 from exporter.security.tls import TlsVersion, tls_context
 from protocol import InvalidPayload
 
-WEB_CONFIG_FLAG = flag_of("web_config_file")
+WEB_CONFIG_FLAG = web_flag("web_config_file")
 FileName = Annotated[str, msgspec.Meta(min_length=1)]
 # exporter-toolkit's fields that this exporter does not implement: named as such rather than "unknown".
 _UNSUPPORTED = {

@@ -75,8 +75,8 @@ register_url_convertor("name", _AnyTextConvertor())
 TITLE = "cache-config-exporter"
 
 
-# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it (docs/architecture.md, The HTTP edge:
-# 13.0 against 16.6 us a request); the exporter has its own metrics and no tracing. Older releases (vLLM's venv pins
+# FastAPI from 0.165 asks OpenTelemetry on every request whether to trace it, at a cost docs/architecture.md
+# ("The HTTP edge") measures; the exporter has its own metrics and no tracing. Older releases (vLLM's venv pins
 # one) have no such parameter and do not trace.
 _WITHOUT_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}

@@ -1,12 +1,12 @@
 """Full garbage collections kept short on a fleet's heap: the survivors of each are frozen until the heap grows.
 
-Each kept connection holds about 40 objects that the cycle collector tracks (uvicorn's, uvloop's and the
-heartbeat protocol's), so 10,000 vLLM servers keep about 400,000. CPython examines every tracked object in a full
-(generation-2) collection, and it runs one each time the objects promoted to the oldest generation since the last
-one reach a quarter of it. At 10,000 servers one took 250-300 ms of the event loop, during heartbeats too, and a
-scrape or heartbeat arriving then waited for it. The objects examined live as long as their connection and are
-freed by reference counting when it closes: a run with a fill of 10,000 servers, heartbeats and 3,000 connections
-closed had the collector find 1,156 unreachable objects in all (docs/PERFORMANCE.md).
+Each kept connection holds dozens of objects that the cycle collector tracks (uvicorn's, uvloop's and the
+heartbeat protocol's), so a fleet's kept connections hold hundreds of thousands. CPython examines every tracked
+object in a full (generation-2) collection, and it runs one each time the objects promoted to the oldest generation
+since the last one reach a quarter of it: at a fleet's size one holds the event loop long enough to delay the
+scrapes and heartbeats arriving meanwhile. The objects examined live as long as their connection and are freed by
+reference counting when it closes, so the collector finds next to no garbage among them (the figures:
+docs/PERFORMANCE.md, "Known limits", garbage collection tails).
 
 So after each full collection its survivors are frozen (``gc.freeze``: out of the collector's reach, still freed by
 reference counting), and the next one examines only the objects that came after them. What freezing can keep is
@@ -18,8 +18,8 @@ reference counting frees it. Still, all are thawed, and the next full collection
   connections (the flood of a few that left, a fleet's restarts) costs one complete collection, of the heap as it
   is then;
 - once the frozen objects are half as many again as the last complete collection found alive: a growing heap.
-  Counting them walks them all (20-33 ms for 458,000 in a script here), so they are counted only once the
-  survivors frozen since the last count could have made them twice as many.
+  Counting them walks them all (its cost: the same section), so they are counted only once the survivors
+  frozen since the last count could have made them twice as many.
 
 A fleet that keeps its connections and does not grow never pays for a complete collection.
 """

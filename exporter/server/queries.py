@@ -10,9 +10,9 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from exporter.config.allowlist import MAX_TARGET
 from exporter.errors import InvalidRequest, UnsupportedMediaType
 from exporter.exposition.shards import MAX_SHARDS, Shard
+from exporter.probe.allowlist import MAX_TARGET
 from protocol import (
     InvalidPayload,
 )

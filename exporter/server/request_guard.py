@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exporter.config.addresses import is_loopback
-from exporter.config.settings import flag_of
 from exporter.errors import (
     BodyTimeout,
     BodyTooLarge,
     ClientDisconnected,
     HostNotServed,
 )
+from exporter.security.addresses import is_loopback
+from exporter.security.options import web_flag
 from exporter.server.problems import Problem, problem_for
 
 # Answers a refusal made here (and counts it, as the app counts every refusal).
@@ -74,7 +74,7 @@ class RequestGuard:
             return
         headers = dict(scope["headers"])
         if not host_allowed(self.allowed_hosts, headers):
-            detail = f"this exporter does not serve that host name; see {flag_of('allowed_hosts')}"
+            detail = f"this exporter does not serve that host name; see {web_flag('allowed_hosts')}"
             await self._refuse(problem_for(HostNotServed("Host", detail)), scope, receive, send)
             return
         length = headers.get(b"content-length")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exporter.config.watched_files import Watched
+from exporter.flags.watched_files import Watched
 from exporter.security.web_config import WebConfig, response_headers
 
 

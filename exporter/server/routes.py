@@ -25,13 +25,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import Scope
 
-from exporter.config.allowlist import ProbeTarget, TargetForbidden
 from exporter.errors import Forbidden, InvalidRequest, NotFound, StorageUnavailable
 from exporter.exposition.formats import OPENMETRICS, TEXT, accepts_gzip
 from exporter.exposition.listing import DeploymentListing
 from exporter.exposition.rendering import Exposition
 from exporter.exposition.telemetry import Telemetry
 from exporter.exposition.views import encode_view
+from exporter.probe.allowlist import ProbeTarget, TargetForbidden
 from exporter.probe.prober import Prober
 from exporter.server.chunked import ChunkedBody
 from exporter.server.endpoints import Access, Endpoint, departure

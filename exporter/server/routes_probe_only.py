@@ -16,9 +16,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from exporter.config.settings import flag_of
 from exporter.errors import NotFound
 from exporter.exposition.formats import negotiate
+from exporter.probe.options import probe_flag
 from exporter.server.endpoints import Access, Endpoint
 from exporter.server.routes import ENDPOINTS, Probing, docs
 
@@ -48,7 +48,7 @@ async def ready_to_probe(request: Request, exporter: ProbeOnly, _: None) -> Resp
 async def not_kept_here(request: Request, exporter: ProbeOnly, _: object) -> Response:
     """Ingest and the stored state: a probe-only exporter has neither."""
     raise NotFound(
-        None, f"this exporter runs with {flag_of('probe_only')}: it takes no ready responses, keeps no state"
+        None, f"this exporter runs with {probe_flag('probe_only')}: it takes no ready responses, keeps no state"
     )
 
 

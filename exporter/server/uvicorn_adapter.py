@@ -54,8 +54,8 @@ Non-public names relied on, and why:
 
 Besides, CPython keeps an instance's ``__dict__`` as values of keys shared by every instance only up to 29 keys:
 uvicorn's protocol has 28 attributes, so what the exporter keeps per connection is one attribute with slots
-(``ConnectionState``): each attribute more would cost every connection a dict of its own, 1.2 KiB more for each
-idle connection a fleet keeps.
+(``ConnectionState``): each attribute more would cost every idle connection a fleet keeps a dict of its own
+(docs/PERFORMANCE.md, "Kept connections against new ones").
 """
 
 from __future__ import annotations
@@ -493,8 +493,9 @@ class HeartbeatAnsweringProtocol(GuardedHttpToolsProtocol):
             self.tasks.add(ending)
             return
         _complete_at_once(cycle.send(_END))
-        # Nothing reads it again (it had no body): an idle connection holds 2 KiB less. Unless the next request's
-        # head is begun: its scope and headers are being parsed.
+        # Nothing reads it again (it had no body): an idle connection holds less (docs/PERFORMANCE.md, "Kept
+        # connections against new ones"). Unless the next request's head is begun: its scope and headers are
+        # being parsed.
         if cycle is self.cycle and not self._connection.head_begun:
             self.cycle = self.scope = self.headers = None  # type: ignore[assignment]
 

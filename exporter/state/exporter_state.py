@@ -24,7 +24,7 @@ from exporter.state.limits import ByteBudget, Limits
 from exporter.state.replica_map import ReplicaMap
 from exporter.state.replicas import Replica, ReplicaKey, restored
 from exporter.state.storage import StorageError, Store
-from exporter.state.writer import Batch, RenderAhead, Replicas, Writer
+from exporter.state.writer import Batch, RenderAhead, Writer
 from protocol import EngineCoreReadyResponse, InvalidPayload
 
 
@@ -56,7 +56,7 @@ class ExporterState:
         self._rules = Rules(dict(base_labels), limits, clock, monotonic, budget, missed_heartbeats, shared_store)
         started = monotonic()
 
-        def load() -> Replicas:
+        def load() -> ReplicaMap:
             wall, now = clock(), monotonic()
             return ReplicaMap.of(
                 restored(one, self._rules.base_labels, changes.seen_at_load(one.last_seen, wall, now, started))
@@ -76,7 +76,7 @@ class ExporterState:
 
     # Reading -----------------------------------------------------------------
 
-    def snapshot(self) -> Replicas:
+    def snapshot(self) -> ReplicaMap:
         """Every replica by (deployment, replica); a consistent view that later changes never touch."""
         return self._writer.replicas
 
@@ -195,7 +195,7 @@ class PerVersion(Generic[T]):
     lock, so readers that arrive meanwhile wait for that one build.
     """
 
-    def __init__(self, state: ExporterState, build: Callable[[Replicas], T]) -> None:
+    def __init__(self, state: ExporterState, build: Callable[[ReplicaMap], T]) -> None:
         self._state = state
         self._build = build
         self._built: tuple[int, T] | None = None

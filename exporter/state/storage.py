@@ -26,8 +26,8 @@ SCHEMA_VERSION = 3
 # How long a write waits for another process's transaction before it counts as a storage fault.
 LOCK_TIMEOUT_SECONDS = 1.0
 # SQLite's page cache, in KiB (its default is 2 MiB): the file is read whole only at start, then rows are written
-# and updated; the pages a write needs again come from the OS's cache of the file. A fleet of 10,000 engines kept
-# 0.18 KiB an engine less with it (docs/PERFORMANCE.md).
+# and updated; the pages a write needs again come from the OS's cache of the file. A fleet keeps less memory an
+# engine with it (docs/PERFORMANCE.md, "Memory per engine").
 PAGE_CACHE_KIB = 256
 
 _SCHEMA = (
@@ -129,7 +129,7 @@ class Store(Protocol):
     def delete_engines(self, deployment: str, replica: str) -> None: ...
     def delete_replica(self, deployment: str, replica: str) -> None: ...
     def delete_engine(self, deployment: str, replica: str, engine: int) -> None: ...
-    def probe(self) -> None: ...
+    def check_writable(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -278,7 +278,7 @@ class SqliteStore:
             "DELETE FROM engines WHERE deployment = ? AND replica = ? AND engine = ?", (deployment, replica, engine)
         )
 
-    def probe(self) -> None:
+    def check_writable(self) -> None:
         """Write one row: proves the disk takes writes again after a fault."""
         self._db.execute(
             "INSERT INTO probe (id, writes) VALUES (1, 1) ON CONFLICT(id) DO UPDATE SET writes = writes + 1"

@@ -17,7 +17,7 @@ The limits need running totals (replicas per deployment, deployments, bytes
 per replica); ``Census`` keeps them as commits land, so no change counts the
 fleet. Several processes may share one store: each batch first loads what the
 others committed (and counts it again). While the store fails, the writer
-probes it to notice recovery.
+checks it takes writes again, to notice recovery.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from protocol import InvalidPayload
 
 log = logging.getLogger("cache_config_exporter.writer")
 
-# While the store is failing, how often the writer probes it to notice recovery.
-PROBE_INTERVAL_SECONDS = 0.5
+# While the store is failing, how often the writer checks that it takes writes again, to notice recovery.
+STORAGE_CHECK_SECONDS = 0.5
 # How often an idle writer runs its housekeeping (heartbeat expiry): the precision of expiry.
 HOUSEKEEPING_SECONDS = 1.0
 # How often an idle writer folds in the heartbeats heard: a read waits for the fold of at most this long's
@@ -49,12 +49,11 @@ HOUSEKEEPING_SECONDS = 1.0
 FOLD_SECONDS = 0.1
 # How often what heartbeats changed in memory is written to the store: what a crash may lose of "last seen".
 # Short, so that each checkpoint is small: a read waits for the one under way (10,000 replicas at 30 s: about
-# 333 rows, not 5 s worth of them, which took the writer 16-64 ms).
+# 333 rows, not 5 s worth of them; what those cost: docs/RELIABILITY.md, "Heartbeats and the expiry clock").
 CHECKPOINT_SECONDS = 1.0
 
-Replicas = ReplicaMap
 # Hears each commit that changed replicas: the map before it, the map after it, and the replicas it put in.
-RenderAhead = Callable[[Replicas, Replicas, Sequence[Replica]], None]
+RenderAhead = Callable[[ReplicaMap, ReplicaMap, Sequence[Replica]], None]
 
 
 class Census:
@@ -98,7 +97,7 @@ class Batch:
     replica takes) from the committed ``Census`` and its own staged changes: never by counting the fleet.
     """
 
-    def __init__(self, current: Replicas, census: Census) -> None:
+    def __init__(self, current: ReplicaMap, census: Census) -> None:
         self.current = current
         self.census = census
         self.changed: dict[ReplicaKey, Replica | None] = {}
@@ -180,27 +179,28 @@ class Housekeeping(Protocol):
 
     def pending(self) -> bool: ...
     def fold(self, batch: Batch) -> None: ...
-    def due(self, replicas: Replicas) -> bool: ...
+    def due(self, replicas: ReplicaMap) -> bool: ...
     def run(self, batch: Batch) -> None: ...
     def committed(self, changed: Mapping[ReplicaKey, Replica | None], reloaded: bool) -> None: ...
 
 
-Outcome = tuple[Future[object], object, BaseException | None]
+# How one change settles: its future, its result and its refusal (``None`` when it was taken).
+Settlement = tuple[Future[object], object, BaseException | None]
 
 
-def _answer(outcomes: list[Outcome]) -> None:
+def _answer(settlements: list[Settlement]) -> None:
     """Each change's future gets its result, or its refusal."""
-    for future, result, refused in outcomes:
+    for future, result, refused in settlements:
         if refused is None:
             future.set_result(result)
         else:
             future.set_exception(refused)
 
 
-def _fail(jobs: list[Job], outcomes: list[Outcome], error: BaseException) -> None:
+def _fail(jobs: list[Job], settlements: list[Settlement], error: BaseException) -> None:
     """A batch that did not commit: a change refused on its own keeps its refusal, every other fails with ``error``."""
-    answered = {id(future) for future, _, _ in outcomes}
-    for future, _, refused in outcomes:
+    answered = {id(future) for future, _, _ in settlements}
+    for future, _, refused in settlements:
         future.set_exception(refused or error)
     for job in jobs:
         if id(job.future) not in answered:
@@ -230,7 +230,7 @@ class Writer:
     def __init__(
         self,
         store: Store,
-        load: Callable[[], Replicas],
+        load: Callable[[], ReplicaMap],
         housekeeping: Housekeeping,
         committed: Callable[[Counter[str]], None],
         measure: Callable[[Replica], int] | None = None,
@@ -246,7 +246,7 @@ class Writer:
         self._measure = measure
         self._next_housekeeping = time.monotonic()
         self._next_checkpoint = time.monotonic() + CHECKPOINT_SECONDS
-        self.replicas: Replicas = load()
+        self.replicas: ReplicaMap = load()
         self._census = Census(self.replicas, measure)
         # Replicas whose last seen changed in memory since the last checkpoint.
         self._unsaved: set[ReplicaKey] = set()
@@ -284,7 +284,7 @@ class Writer:
         while True:
             if self._queue.settling():  # reads wait for what was heard: a batch of no change for them first
                 self._commit([], False, False)
-            jobs = self._queue.batch(PROBE_INTERVAL_SECONDS if self.storage_error else FOLD_SECONDS)
+            jobs = self._queue.batch(STORAGE_CHECK_SECONDS if self.storage_error else FOLD_SECONDS)
             if jobs is None:
                 due = self._housekeeping_is_due()
                 checkpoint = self._checkpoint_is_due()
@@ -299,7 +299,7 @@ class Writer:
 
     def _commit(self, jobs: list[Job], housekeeping: bool, checkpoint: bool) -> None:
         settling = self._queue.begin()
-        outcomes: list[Outcome] = [(future, None, None) for future in settling]
+        settlements: list[Settlement] = [(future, None, None) for future in settling]
         writing = housekeeping or checkpoint or any(job.writes for job in jobs)
         try:
             with self._transaction(writing):
@@ -314,12 +314,12 @@ class Writer:
                     self._housekeeping.run(batch)
                 for change, future, _, _ in jobs:
                     try:
-                        outcomes.append((future, change(batch), None))
+                        settlements.append((future, change(batch), None))
                     except (InvalidPayload, Refused) as refused:
-                        outcomes.append((future, None, refused))
+                        settlements.append((future, None, refused))
                     except Exception as bug:  # fails this change alone (a 500), never the writer thread
                         log.exception("change failed")
-                        outcomes.append((future, None, bug))
+                        settlements.append((future, None, bug))
                 for write in batch.writes:
                     write(self._store)
                 rows = _last_seen(self._unsaved, batch) if checkpoint else []
@@ -332,11 +332,11 @@ class Writer:
                 self.storage_error = str(error)
             else:
                 log.exception("batch failed, nothing committed")
-            _fail(jobs, outcomes, error)
+            _fail(jobs, settlements, error)
             return
         # Only a committed write shows that the store takes writes again: a batch without one
         # (a refresh, refused changes, or none at all) also commits on a full disk.
-        if self.storage_error is not None and (batch.writes or self._probe()):
+        if self.storage_error is not None and (batch.writes or self._check_storage()):
             log.warning("storage recovered")
             self.storage_error = None
         if checkpoint:  # removed replicas leave with it too
@@ -355,7 +355,7 @@ class Writer:
             self.version += 1
         if batch.counts:
             self._committed(batch.counts)
-        _answer(outcomes)
+        _answer(settlements)
 
     def _transaction(self, writing: bool) -> contextlib.AbstractContextManager[None]:
         """A write transaction; for a batch that only reads, a read one when other processes write the store (it
@@ -377,11 +377,11 @@ class Writer:
         heartbeats need no disk, and the first commit after the recovery writes them."""
         return self.storage_error is None and bool(self._unsaved) and time.monotonic() >= self._next_checkpoint
 
-    def _probe(self) -> bool:
-        """Commit one probe write; True when it went through."""
+    def _check_storage(self) -> bool:
+        """Commit one liveness write to the store; True when it went through."""
         try:
             with self._store.transaction():
-                self._store.probe()
+                self._store.check_writable()
         except StorageUnavailable as error:
             self.storage_error = str(error)
             return False

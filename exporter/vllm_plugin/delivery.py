@@ -109,13 +109,13 @@ class Delivery:
                 self._condition.wait(None if due == math.inf else due)
         return None
 
-    def _log(self, attempt: Attempt, outcome: sender.Outcome, verdict: Verdict, failing: bool) -> None:
+    def _log(self, attempt: Attempt, outcome: sender.CallResult, verdict: Verdict, failing: bool) -> None:
         """What came of ``attempt`` (``failing`` since an earlier one), in vLLM's log."""
         # Of several ready responses, the first one not taken says why.
         outcome = next(
             (item for item in outcomes_of(attempt, outcome) if verdict_of(attempt, item) is verdict), outcome
         )
-        if verdict is Verdict.LABELS_REFUSED and isinstance(outcome, sender.Refused):
+        if verdict is Verdict.LABELS_REFUSED and isinstance(outcome, sender.Rejected):
             self._refused(attempt.deployment, outcome)
         elif verdict in (Verdict.RETRY, Verdict.REFUSED):
             self._report(self._described(attempt.call, outcome), first=not failing)
@@ -157,7 +157,7 @@ class Delivery:
                 )
         self._connection.close()
 
-    def _send(self, call: sender.Call, timeout: float | None = None) -> sender.Outcome:
+    def _send(self, call: sender.Call, timeout: float | None = None) -> sender.CallResult:
         """One request, with the token as it is now, within ``timeout`` (by default the target's); a token that
         cannot be sent counts as unreachable."""
         try:
@@ -166,7 +166,7 @@ class Delivery:
             return sender.Unreachable(str(error))
         return self._connection.send(call, authorization=authorization, timeout=timeout)
 
-    def _described(self, call: sender.Call, outcome: sender.Outcome) -> str:
+    def _described(self, call: sender.Call, outcome: sender.CallResult) -> str:
         """What came of ``call``, for the log: the request, then the answer."""
         return f"{call.method} {self.url}{call.path}: {outcome}"
 
@@ -183,7 +183,7 @@ class Delivery:
         self._token = token
         return tokens.bearer(token)
 
-    def _refused(self, deployment: str, refusal: sender.Refused) -> None:
+    def _refused(self, deployment: str, refusal: sender.Rejected) -> None:
         """One warning per refused field and reason: the value is neither dropped silently nor converted."""
         if (refusal.field or "", refusal.detail) in self._refusals:
             return

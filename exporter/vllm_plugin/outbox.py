@@ -131,7 +131,7 @@ class Verdict(enum.Enum):
     DELIVERED = enum.auto()
     # No answer, or one that may change on its own: every request waits out the backoff.
     RETRY = enum.auto()
-    # Refused for good: only a newer version goes again.
+    # Rejected for good: only a newer version goes again.
     REFUSED = enum.auto()
     # The labels refused for good because of one field: the ready responses still go.
     LABELS_REFUSED = enum.auto()
@@ -141,7 +141,7 @@ class Verdict(enum.Enum):
     SPLIT = enum.auto()
 
 
-def verdict_of(attempt: Attempt, outcome: sender.Outcome) -> Verdict:
+def verdict_of(attempt: Attempt, outcome: sender.CallResult) -> Verdict:
     """What ``outcome`` means for ``attempt``."""
     if isinstance(outcome, sender.Accepted):
         return Verdict.DELIVERED
@@ -154,25 +154,25 @@ def verdict_of(attempt: Attempt, outcome: sender.Outcome) -> Verdict:
     return Verdict.REFUSED
 
 
-def outcomes_of(attempt: Attempt, outcome: sender.Outcome) -> list[sender.Outcome]:
+def outcomes_of(attempt: Attempt, outcome: sender.CallResult) -> list[sender.CallResult]:
     """What came of each item of ``attempt``: the exporter's refusal of it, else the answer to the whole request."""
     if isinstance(outcome, sender.Accepted) and isinstance(outcome.state, dict):
         refused = sender.item_refusals(outcome.state.get("refused"))
-    elif isinstance(outcome, sender.Refused):
+    elif isinstance(outcome, sender.Rejected):
         refused = outcome.items
     else:
         refused = {}
     return [refused.get(place, outcome) for place in range(len(attempt.versions) or 1)]
 
 
-def _split(attempt: Attempt, outcome: sender.Outcome) -> bool:
+def _split(attempt: Attempt, outcome: sender.CallResult) -> bool:
     """Several ready responses refused for good as a whole, none of them named, or taken with an answer left unread
     (``sender.ANSWER_BYTES``), which would name those refused: they go one a request."""
     if attempt.kind != "engines" or len(attempt.versions) < 2:
         return False
     if isinstance(outcome, sender.Accepted):
         return outcome.unread
-    return isinstance(outcome, sender.Refused) and not outcome.items and outcome.status not in RETRY_STATUSES
+    return isinstance(outcome, sender.Rejected) and not outcome.items and outcome.status not in RETRY_STATUSES
 
 
 class Outbox:
@@ -251,7 +251,7 @@ class Outbox:
         versions = tuple((index, version) for index, version, _ in sent)
         return Attempt(replica.deployment, replica.name, "engines", versions, call)
 
-    def record(self, attempt: Attempt, outcome: sender.Outcome, now: float) -> Verdict:
+    def record(self, attempt: Attempt, outcome: sender.CallResult, now: float) -> Verdict:
         """Take what came of ``attempt``, answered at ``now``; the verdict (the worst of its items') is for the
         caller's log."""
         replica = self._replicas[(attempt.deployment, attempt.replica)]
@@ -271,7 +271,7 @@ class Outbox:
         if Verdict.DELIVERED in verdicts:
             self._answered(now)
         if Verdict.RETRY in verdicts:
-            asked = outcome.retry_after if isinstance(outcome, sender.Refused) else None
+            asked = outcome.retry_after if isinstance(outcome, sender.Rejected) else None
             self._retry_at = now + max(self._backoff.failed(), asked or 0.0)
         # Logged as a failure is: the next answer ends it.
         self.failing = self.failing or Verdict.RETRY in verdicts or Verdict.REFUSED in verdicts

@@ -3,7 +3,7 @@
 It knows the API's paths and queries (ready responses, cache configs, heartbeats, goodbyes), the content
 type of each wire format and the bearer token, makes a call (``send`` on a connection of its
 own, ``Connection`` on one kept across calls) and says what came of it:
-``Accepted`` with the exporter's JSON answer, ``Refused`` with the status, the problem's ``detail`` and
+``Accepted`` with the exporter's JSON answer, ``Rejected`` with the status, the problem's ``detail`` and
 ``field`` and the wait its ``Retry-After`` asks for, or ``Unreachable`` with the reason. A request of several
 engines' ready responses names each one it refused (``item_refusals``). What to do next (print, retry, warn) is
 the caller's.
@@ -68,14 +68,14 @@ class Accepted:
 
 
 @dataclass(frozen=True)
-class Refused:
+class Rejected:
     """An HTTP error answer: ``detail`` and ``field`` come from the exporter's problem document; ``items``, for a
     request of several ready responses none of which was taken, each one's refusal by its place in the request."""
 
     status: int
     detail: str
     field: str | None
-    items: dict[int, Refused] = field(default_factory=dict, compare=False)
+    items: dict[int, Rejected] = field(default_factory=dict, compare=False)
     # The seconds its ``Retry-After`` asks to wait (``retry_after.seconds_of``), ``None`` without one.
     retry_after: float | None = field(default=None, compare=False)
 
@@ -98,7 +98,7 @@ class Unreachable:
         return self.reason
 
 
-Outcome = Accepted | Refused | Unreachable
+CallResult = Accepted | Rejected | Unreachable
 
 
 def split_urls(value: str) -> list[str]:
@@ -182,7 +182,7 @@ def send(
     authorization: str | None = None,
     client: str,
     answer_bytes: int = STATE_BYTES,
-) -> Outcome:
+) -> CallResult:
     """Make ``call`` to the exporter at ``base_url`` on a connection of its own, within ``timeout`` seconds in
     all, reading at most ``answer_bytes`` of the answer; never raises. ``client`` (``push``, ``vllm-plugin``) names
     the sender in the ``User-Agent``."""
@@ -359,7 +359,7 @@ class Connection:
         self._prefix = ""
         self._pid = 0  # of the process that opened the kept connection
 
-    def send(self, call: Call, *, authorization: str | None = None, timeout: float | None = None) -> Outcome:
+    def send(self, call: Call, *, authorization: str | None = None, timeout: float | None = None) -> CallResult:
         """Make ``call`` within ``timeout`` seconds in all (by default the connection's); never raises."""
         exchange = Exchange(self.timeout if timeout is None else timeout, answer_bytes=self.answer_bytes)
         headers = {"User-Agent": self._user_agent}
@@ -466,7 +466,7 @@ def _is_json(response: http.client.HTTPResponse) -> bool:
     return response.getheader("Content-Type", "").split(";")[0].strip().lower() == CONTENT_TYPES["json"]
 
 
-def _refusal(status: int, body: bytes, wait: float | None) -> Refused:
+def _refusal(status: int, body: bytes, wait: float | None) -> Rejected:
     """The problem document's ``detail``, ``field`` and refused items; any other body is the detail as it is.
     ``wait`` is what its ``Retry-After`` asks for."""
     try:
@@ -474,17 +474,17 @@ def _refusal(status: int, body: bytes, wait: float | None) -> Refused:
     except ValueError:
         problem = None
     if not isinstance(problem, dict):
-        return Refused(status, _excerpt(body), None, retry_after=wait)
+        return Rejected(status, _excerpt(body), None, retry_after=wait)
     return _problem(status, problem, item_refusals(problem.get("refused")), wait)
 
 
-def _problem(status: int, problem: dict[str, Any], items: dict[int, Refused], wait: float | None = None) -> Refused:
+def _problem(status: int, problem: dict[str, Any], items: dict[int, Rejected], wait: float | None = None) -> Rejected:
     field_name = problem.get("field")
     detail = str(problem.get("detail") or "")[:_DETAIL_LENGTH]
-    return Refused(status, detail, str(field_name) if field_name else None, items, wait)
+    return Rejected(status, detail, str(field_name) if field_name else None, items, wait)
 
 
-def item_refusals(refused: object) -> dict[int, Refused]:
+def item_refusals(refused: object) -> dict[int, Rejected]:
     """The ``refused`` list of an answer to several ready responses: each refusal by its place in the request."""
     if not isinstance(refused, list):
         return {}

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
-from exporter.config.option import ENV_PREFIX
+from exporter.flags.option import ENV_PREFIX
 from tests.helpers.http import request
 from tests.helpers.prometheus import RULES, promtool
 from tests.probe.test_probe import pod_discovery_as_files, promtool_discovers_kubernetes, readme_configs

@@ -406,7 +406,7 @@ def test_the_promtool_commands_of_the_alerting_rules(tmp_path: Path) -> None:
 def test_every_environment_variable_is_documented() -> None:
     """Every variable the command line and the plugin read is named in the README or a page of docs/."""
     from exporter.cli import build_parser
-    from exporter.config.option import ENV_PREFIX
+    from exporter.flags.option import ENV_PREFIX
 
     read = set()
     for command in ("serve", "push"):

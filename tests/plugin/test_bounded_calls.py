@@ -32,7 +32,7 @@ SLACK_SECONDS = 0.5
 HEARTBEAT = sender.heartbeat_call("org/m", "r1", 30.0)
 
 
-def plugin_call(url: str) -> sender.Outcome:
+def plugin_call(url: str) -> sender.CallResult:
     """One call as the plugin makes it: reading at most ``ANSWER_BYTES``."""
     return sender.send(url, HEARTBEAT, TIMEOUT, client="test", answer_bytes=sender.ANSWER_BYTES)
 
@@ -134,7 +134,7 @@ def test_a_long_refusal_is_taken_by_its_status_with_its_first_bytes(stand_in: Ca
 
     server = stand_in(long_refusal)
     outcome = plugin_call(server.url)
-    assert isinstance(outcome, sender.Refused) and outcome.status == 503
+    assert isinstance(outcome, sender.Rejected) and outcome.status == 503
     assert outcome.detail.startswith("busy busy")
     wait_until(lambda: server.open_connections == 0, timeout=5)
 
@@ -226,7 +226,7 @@ def test_a_refusal_carries_the_wait_its_retry_after_asks_for(
 ) -> None:
     server = stand_in(standins.retry_after(value))
     outcome = plugin_call(server.url)
-    assert isinstance(outcome, sender.Refused)
+    assert isinstance(outcome, sender.Rejected)
     assert (outcome.status, outcome.retry_after) == (429, seconds)
     if seconds is not None:
         assert str(outcome) == f"HTTP 429 (Retry-After: {seconds:g} s)"

@@ -19,8 +19,8 @@ MAX_RETRY = 4.0
 LABELS = {"block_size": "16", "num_gpu_blocks": "1997"}
 ACCEPTED = sender.Accepted(None)
 AWAY = sender.Unreachable("[Errno 111] Connection refused")
-NOT_HELD = sender.Refused(404, "replica 'r1' of 'org/m' is not held", "replica")
-FIELD_REFUSED = sender.Refused(422, "'None' is not an integer", "prefix_cache_retention_interval")
+NOT_HELD = sender.Rejected(404, "replica 'r1' of 'org/m' is not held", "replica")
+FIELD_REFUSED = sender.Rejected(422, "'None' is not an integer", "prefix_cache_retention_interval")
 
 
 WINDOW = 1.0
@@ -151,7 +151,7 @@ def test_while_the_exporter_is_away_every_request_waits_out_a_doubling_backoff_c
 
 
 @pytest.mark.parametrize("answer", [ACCEPTED, NOT_HELD], ids=["delivered", "not-held"])
-def test_an_answer_backs_off_from_scratch_at_the_next_outage(answer: sender.Outcome) -> None:
+def test_an_answer_backs_off_from_scratch_at_the_next_outage(answer: sender.CallResult) -> None:
     box = outbox()
     box.offer(update(), 0)
     deliver(box, 0)
@@ -198,7 +198,7 @@ def test_a_refused_cache_config_leaves_the_replica_held() -> None:
     assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
     # Refused for good, so not tried again; the ready response goes, and a final refusal of it holds on too.
     assert box.backlog() == 1
-    assert box.record(due(box, 1), sender.Refused(409, "contradicts", "dp_stats_address"), 1) is Verdict.REFUSED
+    assert box.record(due(box, 1), sender.Rejected(409, "contradicts", "dp_stats_address"), 1) is Verdict.REFUSED
     assert box.backlog() == 0
     assert box.goodbyes() == [sender.goodbye_call("org/m", "r1")]
     assert box.due(1) == HEARTBEAT
@@ -264,17 +264,17 @@ def test_backlog_counts_what_the_exporter_has_still_to_take_newest_only() -> Non
         ("engines", ACCEPTED, Verdict.DELIVERED),
         ("heartbeat", sender.Accepted(None), Verdict.DELIVERED),
         ("engines", AWAY, Verdict.RETRY),
-        ("engines", sender.Refused(503, "", None), Verdict.RETRY),
+        ("engines", sender.Rejected(503, "", None), Verdict.RETRY),
         # The token file may be rotated.
-        ("config", sender.Refused(401, "missing bearer token", None), Verdict.RETRY),
+        ("config", sender.Rejected(401, "missing bearer token", None), Verdict.RETRY),
         ("heartbeat", NOT_HELD, Verdict.NOT_HELD),
-        ("engines", sender.Refused(404, "", None), Verdict.REFUSED),
-        ("engines", sender.Refused(409, "dp_stats_address differs", "dp_stats_address"), Verdict.REFUSED),
+        ("engines", sender.Rejected(404, "", None), Verdict.REFUSED),
+        ("engines", sender.Rejected(409, "dp_stats_address differs", "dp_stats_address"), Verdict.REFUSED),
         ("config", FIELD_REFUSED, Verdict.LABELS_REFUSED),
-        ("config", sender.Refused(413, "too large", None), Verdict.REFUSED),
+        ("config", sender.Rejected(413, "too large", None), Verdict.REFUSED),
     ],
 )
-def test_what_an_answer_means(kind: str, outcome: sender.Outcome, verdict: Verdict) -> None:
+def test_what_an_answer_means(kind: str, outcome: sender.CallResult, verdict: Verdict) -> None:
     call = sender.Call("POST", "/")
     assert verdict_of(Attempt("org/m", "r1", kind, ((0, 1),), call), outcome) is verdict  # type: ignore[arg-type]
 
@@ -284,7 +284,7 @@ def test_a_final_refusal_is_not_tried_again_but_a_newer_version_is() -> None:
     box.offer(update(0), 0)
     deliver(box, 0)
     box.offer(update(0, run="run-2"), 0)
-    assert box.record(due(box, 1), sender.Refused(409, "contradicts", "dp_stats_address"), 1) is Verdict.REFUSED
+    assert box.record(due(box, 1), sender.Rejected(409, "contradicts", "dp_stats_address"), 1) is Verdict.REFUSED
     assert box.backlog() == 0
     box.offer(update(0, run="run-3"), 0)
     assert deliver(box, 1) == ["run-3/0"]
@@ -353,17 +353,17 @@ def test_a_request_none_of_which_is_taken_is_judged_response_by_response() -> No
     box.offer(update(0), 0)
     box.offer(update(1), 0)
     box.record(due(box, 0), ACCEPTED, 0)
-    items = {0: sender.Refused(422, "no", "$[0].block_size"), 1: sender.Refused(429, "full", "engine")}
-    assert box.record(due(box, 0), sender.Refused(422, "no", "$[0].block_size", items), 0) is Verdict.RETRY
+    items = {0: sender.Rejected(422, "no", "$[0].block_size"), 1: sender.Rejected(429, "full", "engine")}
+    assert box.record(due(box, 0), sender.Rejected(422, "no", "$[0].block_size", items), 0) is Verdict.RETRY
     assert deliver(box, FIRST_RETRY) == ["run-1/1"]
 
 
 @pytest.mark.parametrize(
     "refusal",
-    [sender.Refused(413, "the body is over 65536 bytes", None), sender.Refused(422, "Expected `object`", "$")],
+    [sender.Rejected(413, "the body is over 65536 bytes", None), sender.Rejected(422, "Expected `object`", "$")],
     ids=["over-the-body-limit", "exporter-without-arrays"],
 )
-def test_a_request_refused_whole_goes_again_one_response_a_request(refusal: sender.Refused) -> None:
+def test_a_request_refused_whole_goes_again_one_response_a_request(refusal: sender.Rejected) -> None:
     box = outbox()
     box.offer(update(0), 0)
     box.offer(update(1), 0)
@@ -397,9 +397,9 @@ def test_a_batch_taken_with_an_answer_too_long_to_read_goes_again_one_response_a
     assert box.backlog() == 0
 
 
-def shed(seconds: float, status: int = 429) -> sender.Refused:
+def shed(seconds: float, status: int = 429) -> sender.Rejected:
     """An answer asking to wait ``seconds`` (``Retry-After``, as ``retry_after.seconds_of`` made it)."""
-    return sender.Refused(status, "Limit reached", None, retry_after=seconds)
+    return sender.Rejected(status, "Limit reached", None, retry_after=seconds)
 
 
 def test_retry_after_holds_every_request_for_as_long_as_it_asks_beyond_the_backoff() -> None:

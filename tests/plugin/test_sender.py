@@ -18,7 +18,7 @@ from tests.support import ExporterProcess, fixture_bytes, free_port
 TIMEOUT = 5.0
 
 
-def send(exporter: ExporterProcess, call: sender.Call, authorization: str | None = None) -> sender.Outcome:
+def send(exporter: ExporterProcess, call: sender.Call, authorization: str | None = None) -> sender.CallResult:
     return sender.send(exporter.url, call, TIMEOUT, authorization=authorization, client="test")
 
 
@@ -62,7 +62,7 @@ def test_labels_heartbeat_and_goodbye_of_one_replica(start_exporter: Callable[..
     assert held(exporter, "org/hybrid", "r1") is None
 
     forgotten = send(exporter, sender.heartbeat_call("org/hybrid", "r1", 5.0))
-    assert isinstance(forgotten, sender.Refused)
+    assert isinstance(forgotten, sender.Rejected)
     assert (forgotten.status, forgotten.field) == (404, "replica")
 
 
@@ -70,7 +70,7 @@ def test_a_refusal_names_the_field_the_exporter_refused(start_exporter: Callable
     exporter = start_exporter()
     outcome = send(exporter, sender.ready_call("qwen", b'{"max_model_len": 0, "num_gpu_blocks": 1}', "json", "r1"))
 
-    assert isinstance(outcome, sender.Refused)
+    assert isinstance(outcome, sender.Rejected)
     assert (outcome.status, outcome.field) == (422, "$.max_model_len")
     assert str(outcome) == f"HTTP 422: {outcome.detail} (field $.max_model_len)"
     assert outcome.detail
@@ -90,7 +90,7 @@ def test_the_ingest_token_from_a_file(start_exporter: Callable[..., ExporterProc
     call = sender.ready_call("qwen", fixture_bytes("hybrid-tp1-post50809"), "msgpack", "r1")
 
     without = send(exporter, call)
-    assert isinstance(without, sender.Refused)
+    assert isinstance(without, sender.Rejected)
     assert (without.status, without.field) == (401, "Authorization")
 
     token = tokens.read_token(token_file)
@@ -133,7 +133,7 @@ def proxy() -> Iterator[str]:
 
 def test_answers_that_are_not_the_exporters(proxy: str) -> None:
     refused = sender.send(proxy, sender.ready_call("qwen", b"{}", "json", "r1"), TIMEOUT, client="test")
-    assert refused == sender.Refused(502, "Bad Gateway", None)
+    assert refused == sender.Rejected(502, "Bad Gateway", None)
 
     not_json = sender.send(proxy, sender.heartbeat_call("qwen", "r1", 30.0), TIMEOUT, client="test")
     assert isinstance(not_json, sender.Unreachable)

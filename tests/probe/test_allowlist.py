@@ -1,4 +1,4 @@
-"""Which targets ``--probe.allowed-targets`` lets the exporter fetch (exporter/config/allowlist.py), as Prometheus
+"""Which targets ``--probe.allowed-targets`` lets the exporter fetch (exporter/probe/allowlist.py), as Prometheus
 writes them."""
 
 from __future__ import annotations

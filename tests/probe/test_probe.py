@@ -24,8 +24,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from exporter.config.option import SettingsError
 from exporter.config.settings import Settings
+from exporter.flags.option import SettingsError
 from exporter.probe.client import ProbeFailed
 from exporter.probe.prober import RESULTS, release_of_labels
 from protocol import releases
@@ -268,7 +268,7 @@ def test_a_server_of_more_engines_than_the_limit_is_not_read(
     make_client: Callable[..., TestClient], serve_target: Callable[..., TargetServer]
 ) -> None:
     target = vllm_target(serve_target, *(recorded_line("llama", engine) for engine in range(3)))
-    client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_deployment=2)
+    client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_replica=2)
     assert "more than 2 engines, the most --limits.engines-per-deployment allows" in failed(client, target)
 
 

@@ -331,7 +331,7 @@ def test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_refused(
 def test_exactly_the_engines_a_deployment_may_have_are_read_and_one_more_refused(
     engines: int, permitted: bool, make_client: Callable[..., TestClient], target: Callable[[hostile.Answer], str]
 ) -> None:
-    client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_deployment=4)
+    client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_replica=4)
     served = target(hostile.serving(vllm_metrics(*(recorded_line("qwen3-next", engine) for engine in range(engines)))))
     reply = probe(client, served)
     if permitted:

@@ -16,7 +16,7 @@ from tests.support import ExporterProcess, fixture_bytes
 DEPLOYMENT = "org/dp2"
 
 
-def send(exporter: ExporterProcess, *names: str, payloads: tuple[bytes, ...] = ()) -> sender.Outcome:
+def send(exporter: ExporterProcess, *names: str, payloads: tuple[bytes, ...] = ()) -> sender.CallResult:
     call = sender.ready_batch_call(DEPLOYMENT, [*map(fixture_bytes, names), *payloads], "r1", heartbeat=30)
     return sender.send(exporter.url, call, 10, client="push")
 
@@ -37,7 +37,7 @@ def test_the_sender_array_is_taken_whole_and_its_refusals_are_read_one_by_one(
 
     broken = msgspec.msgpack.encode({"max_model_len": 8})
     none = send(exporter, "dp2-rank1-conflicting-stats-address", payloads=(broken,))
-    assert isinstance(none, sender.Refused)
+    assert isinstance(none, sender.Rejected)
     assert (none.status, none.field) == (409, "$[0].dp_stats_address")
     assert {place: (refusal.status, refusal.field) for place, refusal in none.items.items()} == {
         0: (409, "$[0].dp_stats_address"),

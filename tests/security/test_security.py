@@ -18,8 +18,8 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from exporter.config.option import SettingsError
 from exporter.config.settings import Settings
+from exporter.flags.option import SettingsError
 from exporter.security.auth import Credentials
 from exporter.security.web_config import load_web_config, watched_web_config
 from tests.helpers.exposition import samples

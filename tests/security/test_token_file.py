@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config.option import SettingsError
+from exporter.flags.option import SettingsError
 from exporter.security.token_file import watched_tokens
 from tests.helpers.exposition import samples
 from tests.helpers.figures import record

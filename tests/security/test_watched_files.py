@@ -1,4 +1,4 @@
-"""Watched files (exporter/config/watched_files.py): a write during a read is seen, and ssh's rule for open modes."""
+"""Watched files (exporter/flags/watched_files.py): a write during a read is seen, and ssh's rule for open modes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config.option import SettingsError
-from exporter.config.watched_files import FileState, Watched, open_to_others
+from exporter.flags.option import SettingsError
+from exporter.flags.watched_files import FileState, Watched, open_to_others
 
 
 def test_a_write_that_lands_during_the_read_is_seen_at_the_next_look(tmp_path: Path) -> None:

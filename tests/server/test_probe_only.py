@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from exporter.config.option import SettingsError
 from exporter.config.settings import Settings
+from exporter.flags.option import SettingsError
 from tests.helpers.disk import run, tmpfs
 from tests.helpers.exposition import OPENMETRICS, families, info_labels, samples, single_value
 from tests.helpers.http import MSGPACK, Reply, request

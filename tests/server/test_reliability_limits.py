@@ -98,7 +98,7 @@ def post(client: TestClient, deployment: str, engine: int, engines: int = 2) -> 
 def test_cardinality_caps_are_429_and_leave_existing_series_intact(
     make_client: Callable[..., TestClient], tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
-    client = make_client(max_deployments=3, max_engines_per_deployment=2)
+    client = make_client(max_deployments=3, max_engines_per_replica=2)
     for deployment in ("a", "b", "c"):
         for engine in (0, 1):
             assert post(client, deployment, engine).status == 200

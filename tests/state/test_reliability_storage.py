@@ -352,9 +352,9 @@ class FullDisk(SqliteStore):
         self._refuse()
         super().save_engine(deployment, replica, engine, stored)
 
-    def probe(self) -> None:
+    def check_writable(self) -> None:
         self._refuse()
-        super().probe()
+        super().check_writable()
 
 
 def test_reads_between_failed_writes_do_not_report_the_store_healthy(tmp_path: Path) -> None:

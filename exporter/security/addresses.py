@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 
-from exporter.config.option import SettingsError
+from exporter.flags.option import SettingsError
 
 LISTEN_ADDRESS_FLAG = "--web.listen-address"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,11 @@ def setting(default: object, flag: str, help_text: str, **declared: Any) -> Any:
     if option.default_factory is not None:
         return field(default_factory=option.default_factory, metadata={OPTION: option})
     return field(default=default, metadata={OPTION: option})
+
+
+def flag_in(group: type, name: str) -> str:
+    """The flag of the field ``name`` of an options group, for the messages of the part that owns the group."""
+    return next(item.metadata[OPTION].flag for item in fields(group) if item.name == name)
 
 
 def file_setting(flag: str, help_text: str) -> Any:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, NamedTuple, TypeVar
 
-from exporter.config.option import SettingsError
+from exporter.flags.option import SettingsError
 
 _log = logging.getLogger("cache_config_exporter")
 T = TypeVar("T")

@@ -1,0 +1,6 @@
+"""How a flag is declared (``Option``, ``setting``: its name, environment variable, default and help, once) and
+how the files flags name are read and watched for changes (``Watched``). Every part that owns an options group
+declares it with these, and names its own flags in its messages, without the command line that joins the groups.
+
+May import ``protocol`` only (a secret file is read as every client reads a token).
+"""
