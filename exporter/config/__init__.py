@@ -1,6 +1,6 @@
-"""The options as the command line joins them: ``Settings`` inherits the web group (``exporter.security``) and
-the probe's (``exporter.probe``), declares the state's and the output's with the value types they parse into
-(limits, label choices), parses ``serve``'s flags and environment variables and checks the groups together.
+"""The options as the command line joins them: ``Settings`` inherits each part's group, the web's
+(``exporter.security``), the probe's (``exporter.probe``), the state's (``exporter.state``) and the output's
+(``exporter.exposition``), parses ``serve``'s flags and environment variables and checks the groups together.
 
 May import security, the probe and the exposition, whose groups it joins, and what they may; never the server,
 which reads its options from here.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from exporter.config.options import OutputOptions, StateOptions
+from exporter.exposition.options import OutputOptions
 from exporter.exposition.series import InfoLabels, LabelChoiceError, LabelFlags
 from exporter.flags.option import OPTION, Option, SettingsError, optional_path, read_file
 from exporter.probe.allowlist import AllowList
@@ -29,6 +29,7 @@ from exporter.probe.options import ProbeOptions
 from exporter.security.addresses import is_loopback, split_listen_address
 from exporter.security.options import WebOptions
 from exporter.state.limits import Limits
+from exporter.state.options import StateOptions
 from protocol import InvalidPayload, decode_static_labels
 
 _METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")

@@ -2,5 +2,6 @@
 how the files flags name are read and watched for changes (``Watched``). Every part that owns an options group
 declares it with these, and names its own flags in its messages, without the command line that joins the groups.
 
-May import ``protocol`` only (a secret file is read as every client reads a token).
+Imports nothing of the project: the state declares its options with it (secrets are read by
+``exporter/secret_files.py``, above it).
 """

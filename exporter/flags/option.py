@@ -11,8 +11,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from protocol.tokens import TokenError, secret_text
-
 ENV_PREFIX = "CACHE_CONFIG_EXPORTER_"
 _TRUE = ("1", "true", "yes", "on")
 # The key of a settings field's ``Option`` in the field's metadata.
@@ -133,15 +131,3 @@ def read_file(flag: str, path: Path) -> bytes:
         return path.read_bytes()
     except OSError as error:
         raise SettingsError(f"{flag} {path}: {error.strerror}") from None
-
-
-def read_secret(flag: str, path: Path) -> str:
-    """A secret from a file, read as every client reads a token file (``protocol.tokens.secret_text``: a
-    byte-order mark and the white space around dropped); never echoed in messages."""
-    try:
-        secret = secret_text(read_file(flag, path))
-    except TokenError as error:
-        raise SettingsError(f"{flag} {path}: {error}") from None
-    if not secret:
-        raise SettingsError(f"{flag} {path}: the file is empty")
-    return secret

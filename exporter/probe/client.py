@@ -25,11 +25,12 @@ from typing import Protocol
 import h11
 
 from exporter import __version__
-from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.option import SettingsError
 from exporter.flags.watched_files import Watched
 from exporter.probe.allowlist import ProbeTarget
 from exporter.probe.options import ProbeSettings, probe_flag
 from exporter.probe.turns import ProbeTurns
+from exporter.secret_files import read_secret
 from protocol import tokens
 
 # The response line and headers of a target; vLLM's are a few hundred bytes.

@@ -22,8 +22,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.errors import Refused
-from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.option import SettingsError
 from exporter.flags.watched_files import Watched
+from exporter.secret_files import read_secret
 from exporter.security.bcrypt_checks import BcryptChecks
 from exporter.security.https_listener import watched_tls
 from exporter.security.options import WebOptions, web_flag

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporter.flags.option import SettingsError, read_secret
+from exporter.flags.option import SettingsError
 from exporter.flags.watched_files import Watched
+from exporter.secret_files import read_secret
 
 
 def watched_tokens(flag: str, path: Path) -> Watched[frozenset[bytes]]:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import build_parser
-from exporter.config.options import default_storage_path
 from exporter.config.settings import Settings, flag_of, markdown_table, serve_options, settings_from
 from exporter.exposition.series import LABEL_PRESETS, known_labels
 from exporter.flags.option import ENV_PREFIX, SettingsError, env_name
+from exporter.state.options import default_storage_path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 NUMBERS = [name for name, kind in typing.get_type_hints(Settings).items() if kind in (int, float)]

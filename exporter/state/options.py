@@ -1,6 +1,6 @@
-"""The option groups of the parts whose value types the command line carries (the state's limits, the output's
-label choices): each field is a setting with its ``Option``. ``Settings`` joins them with the web group
-(``exporter/security/options.py``) and the probe's, and checks them together.
+"""The state's options group: what the exporter keeps (``--limits.*``, ``--expiry.*``, ``--storage.*``,
+``--cache-config.*``), each field a setting with its ``Option``; the command line joins it with the other parts'
+groups (``exporter/config/settings.py``).
 """
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.exposition.series import LABEL_PRESETS
-from exporter.flags.option import file_setting, list_setting, setting
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
+from exporter.flags.option import file_setting, setting
 
 
 def default_storage_path() -> Path:
@@ -53,31 +50,3 @@ class StateOptions:
         "--cache-config.file",
         "JSON, TOML or YAML file with the base cache config (labels) of every deployment; without it vLLM's defaults",
     )
-
-
-@dataclass(frozen=True)
-class OutputOptions:
-    """How the metrics look, and the log: ``--metric.*``, ``--log.*``."""
-
-    metric_prefix: str = setting(
-        "", "--metric.prefix", "prefix of the cache_config_* metric names ('vllm:' gives vLLM's names)"
-    )
-    # kube-state-metrics' --metric-labels-allowlist, for the one metric that has labels to choose.
-    metric_labels_allowlist: tuple[str, ...] = list_setting(
-        "--metric.labels-allowlist",
-        "comma-separated vLLM labels cache_config_info keeps (deployment, replica and engine always stay); "
-        "empty: every label",
-    )
-    metric_labels_denylist: tuple[str, ...] = list_setting(
-        "--metric.labels-denylist",
-        "comma-separated vLLM labels cache_config_info drops; excludes --metric.labels-allowlist",
-    )
-    # An allowlist by name, for backends that cap label names (Grafana Mimir and Cortex: 30 by default).
-    metric_labels_preset: str = setting(
-        "",
-        "--metric.labels-preset",
-        f"named set of vLLM labels cache_config_info keeps: {', '.join(LABEL_PRESETS)} (docs/metrics.md lists them); "
-        "--metric.labels-denylist drops names from it, --metric.labels-allowlist excludes it; empty: none",
-        choices=tuple(LABEL_PRESETS),
-    )
-    log_level: str = setting("info", "--log.level", "log level", choices=LOG_LEVELS)
