@@ -119,6 +119,10 @@ class StandIn:
 
     def stop(self) -> None:
         self.stopped.set()
+        # A thread blocked in accept() is not woken by close(), and would hold the listener for the process's life:
+        # shutting the listener down wakes it (Linux answers the accept with an error).
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             for connection in self._connections:

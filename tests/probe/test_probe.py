@@ -108,6 +108,9 @@ class TargetServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True)
+        # socketserver's accept blocks: a connection that goes before it is taken (a client hanging up at once)
+        # would hold the serving thread, and ``stop`` with it, for good. A timeout lets it see the stop.
+        self.socket.settimeout(1.0)
         self.respond = respond
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.released = threading.Event()  # ends the waits of slow responses at teardown
