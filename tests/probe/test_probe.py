@@ -358,7 +358,7 @@ def raw(answer: bytes) -> Respond:
 
 def redirect(handler: Handler) -> None:
     handler.send_response(302)
-    handler.send_header("Location", "http://169.254.169.254/metrics")
+    handler.send_header("Location", "http://127.0.0.2:9/metrics")  # on this machine; never followed
     handler.send_header("Content-Length", "0")
     handler.end_headers()
 
