@@ -100,7 +100,8 @@ def _json(body: bytes, status: int = 200) -> Response:
 
 
 # A changed replica of up to this many engines is encoded on the event loop: its view costs less than the thread
-# pool's two hand-offs between threads (docs/PERFORMANCE.md, run M); a larger one is encoded in the pool.
+# pool's two hand-offs between threads; a larger one is encoded in the pool. tests/server/test_ingest_cost.py holds
+# the bound.
 INLINE_VIEW_ENGINES = 16
 
 
