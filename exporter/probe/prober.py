@@ -55,8 +55,12 @@ from protocol.names import DEFAULT_DEPLOYMENT, deployment_of_model
 from protocol.ready_response import JSON
 
 SUCCESS = "success"
-# Every result of a probe: success, or why it failed.
-RESULTS = (SUCCESS, "unreachable", "timeout", "too_large", "http_status", "not_vllm", "unknown_release", "invalid")
+# A probe whose client hung up before it ended: stopped there, answered to no one, but counted like the others.
+CLIENT_LEFT = "client_left"
+# Every result of a probe: success, or why it failed or ended unanswered.
+RESULTS = (
+    SUCCESS, "unreachable", "timeout", "too_large", "http_status", "not_vllm", "unknown_release", "invalid", CLIENT_LEFT
+)  # fmt: skip
 # Taken off Prometheus' scrape timeout, so that the answer arrives before Prometheus gives up (blackbox_exporter's
 # --timeout-offset); at most half of a short timeout goes.
 TIMEOUT_MARGIN_SECONDS = 0.5
@@ -295,6 +299,9 @@ class Prober:
         self.running += 1
         try:
             outcome = await _unless_departed(self._run(target, deployment, timeout), departed)
+        except ClientDisconnected:
+            self._count(CLIENT_LEFT)
+            raise
         finally:
             self.running -= 1
         self._count(outcome.result)

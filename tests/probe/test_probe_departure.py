@@ -1,5 +1,5 @@
-"""A probe ends with its client: probes whose clients hung up do not keep ``/probe`` closed for others (a real
-exporter process, raw client sockets, stand-in targets on loopback)."""
+"""A probe ends with its client: probes whose clients hung up do not keep ``/probe`` closed for others, and are
+counted as such (a real exporter process, raw client sockets, stand-in targets on loopback)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.helpers.exposition import single_value
+from tests.helpers.exposition import samples, single_value
 from tests.helpers.figures import record
+from tests.helpers.http import request
 from tests.probe import hostile
 from tests.probe.test_probe import recorded_line, vllm_metrics
 from tests.support import ExporterProcess, wait_until
@@ -63,3 +64,6 @@ def test_probes_whose_clients_hung_up_end_and_free_their_slots(
     assert single_value(reply.body.decode(), "cache_config_probe_success") == 1.0
     record(record_property, "probe_slots_freed_after_hang_ups", clients=CLIENTS, freed_seconds=round(freed, 3))
     assert freed < 2.0, f"/probe stayed closed {freed:.1f} s after the clients left"
+    own = request(exporter.url, "GET", "/metrics").text
+    counted = {sample.labels["result"]: sample.value for sample in samples(own, "cache_config_exporter_probes_total")}
+    assert (counted["client_left"], counted["success"], counted["timeout"]) == (CLIENTS, 1.0, 0.0), counted
