@@ -117,7 +117,8 @@ def _prepare_workers(settings: Settings) -> str:
     return "exporter.server.app:create_app_from_environment"
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Run the exporter with the parsed flags; ``argv``, the command line they came from (to name former flags)."""
     import uvicorn
 
     from exporter.security.https_listener import ReloadingTls, watched_tls
@@ -129,6 +130,9 @@ def serve(args: argparse.Namespace) -> int:
     # then raises the signal again; exit 0 then instead of dying of it.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for option in serve_options().values():
+        for former, name in option.former_names_used(argv):
+            logging.getLogger("cache_config_exporter").warning("%s is read as %s, its new name: use that", former, name)
     try:
         settings = settings_from(args)
         # Held until the process ends: the parent's of --web.workers N too, whose workers share the file.
@@ -233,5 +237,6 @@ def _report(name: str | None, url: str, outcome: sender.CallResult) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return serve(args) if args.command == "serve" else push(args)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(arguments)
+    return serve(args, arguments) if args.command == "serve" else push(args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,9 @@ class Option:
 
     ``parse`` turns the flag's text into the value (``None``: the text itself; for a setting, read by its type).
     ``context`` names settings whose values ``parse`` takes after the text. ``documented`` is the default as
-    the README tells it, where the machine decides the value.
+    the README tells it, where the machine decides the value. ``formerly``: flags this one was once called,
+    still read (flag and environment variable), so that a configuration written for them keeps working; a
+    start that uses one is told the name to use (``former_names_used``).
     """
 
     flag: str
@@ -45,10 +47,18 @@ class Option:
     switch: bool = False
     context: tuple[str, ...] = ()
     documented: str | None = None
+    formerly: tuple[str, ...] = ()
 
     @property
     def variable(self) -> str:
         return env_name(self.flag)
+
+    def _environment(self) -> str | None:
+        """The value its environment variable gives, or failing that one of its former names' variables."""
+        for flag in (self.flag, *self.formerly):
+            if env_name(flag) in os.environ:
+                return os.environ[env_name(flag)]
+        return None
 
     @property
     def dest(self) -> str:
@@ -58,9 +68,10 @@ class Option:
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         """The flag, whose default comes from its environment variable, then from the declaration."""
         if self.switch:
-            enabled = os.environ.get(self.variable, "").lower() in _TRUE
+            enabled = (self._environment() or "").lower() in _TRUE
             parser.add_argument(
                 self.flag,
+                *self.formerly,
                 dest=self.dest,
                 action="store_true",
                 default=enabled,
@@ -68,17 +79,30 @@ class Option:
             )
             return
         default = self.default_factory() if self.default_factory else self.default
+        environment = self._environment()
         parser.add_argument(
             self.flag,
+            *self.formerly,
             dest=self.dest,
-            default=os.environ.get(self.variable, default),
+            default=default if environment is None else environment,
             type=None if self.context else self.parse,
             choices=self.choices,
             help=f"{self.help} (env {self.variable}; default: %(default)s)",
         )
 
     def markdown_row(self) -> str:
-        return f"| `{self.flag}` | `{self.variable}` | {self._documented_default()} | {self.help} |"
+        formerly = "".join(f" (formerly `{flag}`, still read)" for flag in self.formerly)
+        return f"| `{self.flag}` | `{self.variable}` | {self._documented_default()} | {self.help}{formerly} |"
+
+    def former_names_used(self, argv: Sequence[str]) -> list[tuple[str, str]]:
+        """Each former flag in ``argv`` (``--flag value`` or ``--flag=value``) and former environment variable
+        set, with the name to use instead: each deserves a word at start-up."""
+        used = [
+            (flag, self.flag)
+            for flag in self.formerly
+            if any(arg == flag or arg.startswith(f"{flag}=") for arg in argv)
+        ]
+        return used + [(env_name(flag), self.variable) for flag in self.formerly if env_name(flag) in os.environ]
 
     def _documented_default(self) -> str:
         if self.documented is not None:

@@ -328,7 +328,7 @@ class Prober:
                 await self.client.fetch(target, addresses, log, turns, body)
                 log(f"read {body.bytes_read} bytes")
                 shown = await turns.run(body.finish())
-            # At most --limits.engines-per-deployment engines (their cost: docs/RELIABILITY.md, section 10), off the
+            # At most --limits.engines-per-replica engines (their cost: docs/RELIABILITY.md, section 10), off the
             # loop; the request waits.
             series = await asyncio.to_thread(self._answer, shown, target, deployment, log)
         except ProbeFailed as failure:

@@ -9,7 +9,7 @@ a window of whole lines at C speed (every line a comment, blank, or ``name{label
 ``TextReader.feed`` takes the body a piece at a time and keeps only the line not yet complete; it and
 ``finish`` are generators that yield after each window and each such line, for the probe's turns
 (``turns.py``) to run in slices. What a reader keeps is bounded whatever the body holds: one line of up to
-64 KiB and the piece that came, engines by ``--limits.engines-per-deployment``, a few label sets per engine
+64 KiB and the piece that came, engines by ``--limits.engines-per-replica``, a few label sets per engine
 (the raw bytes of their labels), a few model names.
 """
 

@@ -28,7 +28,10 @@ class StateOptions:
     )
     # Per replica: one vLLM server's data-parallel engines.
     max_engines_per_replica: int = setting(
-        1_024, "--limits.engines-per-deployment", "most engines kept per replica of a deployment"
+        1_024,
+        "--limits.engines-per-replica",
+        "most engines kept per replica of a deployment",
+        formerly=("--limits.engines-per-deployment",),
     )
     # 80,000 engines of DP=8 servers (a hybrid model's, about 310 engines a MiB) with half again to spare.
     max_bytes: int = setting(

@@ -272,7 +272,7 @@ def test_a_server_of_more_engines_than_the_limit_is_not_read(
 ) -> None:
     target = vllm_target(serve_target, *(recorded_line("llama", engine) for engine in range(3)))
     client = make_client(probe_allowed_targets=(LOOPBACK,), max_engines_per_replica=2)
-    assert "more than 2 engines, the most --limits.engines-per-deployment allows" in failed(client, target)
+    assert "more than 2 engines, the most --limits.engines-per-replica allows" in failed(client, target)
 
 
 def test_the_deployment_is_vllm_model_name_or_the_query_parameter(

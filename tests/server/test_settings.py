@@ -165,3 +165,28 @@ def test_the_table_of_limits_in_the_docs_states_the_declared_defaults() -> None:
     assert len(rows) >= 9
     for flag, documented in rows:
         assert float(documented) == options[flag].default, flag
+
+
+FORMER = "--limits.engines-per-deployment"
+
+
+def test_a_renamed_flag_is_still_read_under_its_former_name_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configurations written for a flag's former name keep their meaning; the new name wins where both are set."""
+    assert serve(FORMER, "7").max_engines_per_replica == 7
+    assert serve(f"{FORMER}=8").max_engines_per_replica == 8
+    monkeypatch.setenv(env_name(FORMER), "9")
+    assert serve().max_engines_per_replica == 9
+    monkeypatch.setenv(env_name(flag_of("max_engines_per_replica")), "10")
+    assert serve().max_engines_per_replica == 10
+    assert serve("--limits.engines-per-replica", "11").max_engines_per_replica == 11
+
+
+def test_a_former_name_used_is_named_with_the_name_to_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    option = serve_options()["max_engines_per_replica"]
+    new, variable = option.flag, option.variable
+    assert option.former_names_used(["serve", "--limits.engines-per-replica", "3"]) == []
+    assert option.former_names_used(["serve", FORMER, "3"]) == [(FORMER, new)]
+    assert option.former_names_used(["serve", f"{FORMER}=3"]) == [(FORMER, new)]
+    assert option.former_names_used(["serve", f"{FORMER}s=3"]) == []  # another flag, not a form of this one
+    monkeypatch.setenv(env_name(FORMER), "3")
+    assert option.former_names_used(["serve"]) == [(env_name(FORMER), variable)]

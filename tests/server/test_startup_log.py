@@ -42,3 +42,13 @@ def test_the_start_up_lines_come_in_the_readme_order(
 ) -> None:
     exporter = start_exporter("--web.workers", str(workers))
     assert order(lines_once_started(exporter, workers), workers) == expected
+
+
+def test_a_start_with_a_flags_former_name_logs_the_name_to_use(
+    start_exporter: Callable[..., ExporterProcess],
+) -> None:
+    exporter = start_exporter("--limits.engines-per-deployment", "64")
+    lines = lines_once_started(exporter, 1)
+    assert [line.split(": ", 1)[1] for line in lines if "its new name" in line] == [
+        "--limits.engines-per-deployment is read as --limits.engines-per-replica, its new name: use that"
+    ]
