@@ -248,7 +248,8 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     buffer past the high-water mark), the client must take some of it within that many seconds, again and again,
     or the connection is aborted, its buffers released (``write_stalled``); pipelined requests behind it go with it.
     A connection past the cap (``max_connections``; ``None``: none) makes room by closing, in this order, a
-    kept-alive connection that waits idle for its next request (a client reconnects to send it), the connection
+    kept-alive connection that waits idle for its next request (a client reconnects to send it; reset, as
+    below, when its client has not taken all of its last answer: ``unsent_bytes``), the connection
     stalled on writing longest (aborted), or the connection whose request head has been incomplete longest (answered
     503); only when none of them is open is it answered 503 and closed at once, before it sends anything. So idle
     connections cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a
@@ -294,8 +295,8 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         self._arm_header_timer()
 
     def _make_room(self, limit: int) -> bool:
-        """At the cap: close an idle connection, else the one stalled on writing longest, else the one whose head
-        has been incomplete longest; False if none is open. The one closed leaves the count at once."""
+        """At the cap: close the oldest idle connection, else the one stalled on writing longest, else the one whose
+        head has been incomplete longest; False if none is open. The one closed leaves the count at once."""
         room = self._room()
         idle = room.idle.oldest(lambda connection: connection._is_idle() and connection in self.connections)
         if idle is not None:
