@@ -249,7 +249,7 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     or the connection is aborted, its buffers released (``write_stalled``); pipelined requests behind it go with it.
     A connection past the cap (``max_connections``; ``None``: none) makes room by closing, in this order, a
     kept-alive connection that waits idle for its next request (a client reconnects to send it; reset, as
-    below, when its client has not taken all of its last answer: ``unsent_bytes``), the connection
+    below, when the kernel still holds part of its last answer: ``unsent_bytes``), the connection
     stalled on writing longest (aborted), or the connection whose request head has been incomplete longest (answered
     503); only when none of them is open is it answered 503 and closed at once, before it sends anything. So idle
     connections cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a
@@ -301,7 +301,7 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         idle = room.idle.oldest(lambda connection: connection._is_idle() and connection in self.connections)
         if idle is not None:
             room.idle.discard(idle)
-            if unsent_bytes(idle.transport):  # its peer never took the last answer: the kernel would keep it
+            if unsent_bytes(idle.transport):  # its peer reads nothing: a close would leave the rest to the kernel
                 reset(idle.transport)
             else:
                 idle.timeout_keep_alive_handler()
@@ -487,11 +487,12 @@ def reset(transport: asyncio.Transport) -> None:
 
 
 def unsent_bytes(transport: asyncio.Transport) -> int:
-    """What the kernel still holds of what was written to the connection and its peer has not taken (Linux's
-    ``SIOCOUTQ``); 0 where that cannot be asked. An answer that fits in the kernel's buffers (a few MB on
-    loopback) leaves the transport at once: its connection then waits idle while the kernel holds the answer, and
-    a plain close would leave it there, in an orphan socket, for minutes. A thousand such hold gigabytes of the
-    kernel's memory for TCP, whose pressure then slows every connection."""
+    """What the kernel still holds of what was written to the connection, unsent or not yet acknowledged by the
+    peer (Linux's ``SIOCOUTQ``): more than a little once a peer that reads nothing has closed its window; 0 where
+    that cannot be asked. An answer that fits in the kernel's buffers (a few MB on loopback) leaves the transport
+    at once: its connection then waits idle while the kernel holds the answer, and a plain close would leave it
+    there, in an orphan socket, for minutes. A thousand such hold gigabytes of the kernel's memory for TCP, whose
+    pressure then slows every connection."""
     sock = transport.get_extra_info("socket")
     try:
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0] if sock else 0
