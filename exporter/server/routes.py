@@ -113,15 +113,32 @@ async def _shown(replica: Replica, shown: Mapping[int, bytes] = MappingProxyType
     return _json(await run_in_threadpool(encode_view, replica, shown))
 
 
+def _catching_up(exporter: Exporter) -> Future[object] | None:
+    """Before a read: catch up with other workers' commits, or with the heartbeats answered; ``None`` when there
+    is nothing to catch up with."""
+    return exporter.state.refresh() if exporter.shared_store else exporter.state.settled()
+
+
 async def _catch_up(exporter: Exporter) -> None:
-    """Before a read: catch up with other workers' commits, or with the heartbeats answered.
+    """Wait, on the event loop, for ``_catching_up``.
 
     While the store cannot be read (locked), reads serve this worker's last good state.
     """
-    caught_up = exporter.state.refresh() if exporter.shared_store else exporter.state.settled()
+    caught_up = _catching_up(exporter)
     if caught_up is not None:
         with suppress(StorageUnavailable):
             await asyncio.wrap_future(caught_up)
+
+
+def _caught_up(caught_up: Future[object] | None, read: Callable[..., R], *arguments: object) -> R:
+    """In a worker thread: wait for the catch-up, then read. A read that would render anyway once caught up (the
+    catch-up commits a new version) waits there, so that the writer's answer wakes the thread that renders rather
+    than the event loop, which would only hand the render to that thread: one hand-off between threads, not three,
+    each of which waits for the interpreter's lock while the loop is busy."""
+    if caught_up is not None:
+        with suppress(StorageUnavailable):
+            caught_up.result()
+    return read(*arguments)
 
 
 def _unknown_deployment(name: str) -> NotFound:
@@ -240,15 +257,17 @@ async def get_metrics(request: Request, exporter: Exporter, query: MetricsQuery)
 
     With `?shard=i&total_shards=n`, the lines of shard i of n of the deployments, and the exporter's own metrics.
     """
-    await _catch_up(exporter)
+    caught_up = _catching_up(exporter)
     accept = request.headers.get("accept", "")
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
     shard = query.selected()
     exposition = exporter.exposition
-    if exposition.is_fresh(gzip, shard):
+    if caught_up is None and exposition.is_fresh(gzip, shard):
         chunks, length, content_type = exposition.render(accept, gzip, shard)
     else:
-        chunks, length, content_type = await run_in_threadpool(exposition.render, accept, gzip, shard)
+        chunks, length, content_type = await run_in_threadpool(
+            _caught_up, caught_up, exposition.render, accept, gzip, shard
+        )
     headers = {"Vary": "Accept, Accept-Encoding"}
     if gzip:
         headers["Content-Encoding"] = "gzip"

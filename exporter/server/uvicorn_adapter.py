@@ -20,7 +20,8 @@ Non-public names relied on, and why:
 - ``HttpToolsProtocol.on_message_begin``: extended: a request's head begins.
 - ``HttpToolsProtocol.on_headers_complete``: extended: the head's limits end.
 - ``HttpToolsProtocol.on_message_complete``: extended: a waiting heartbeat is answered, the head's room renewed.
-- ``HttpToolsProtocol.on_response_complete``: extended: a read held back is fed once the queue drains.
+- ``HttpToolsProtocol.on_response_complete``: extended: a read held back is fed once the queue drains; a
+  connection left waiting idle is kept among those that may make room at the cap.
 - ``HttpToolsProtocol.pause_writing``: extended: the write deadline armed.
 - ``HttpToolsProtocol.resume_writing``: extended: the write deadline disarmed.
 - ``HttpToolsProtocol._start_asgi_task``: overridden: where a heartbeat is answered instead of starting the app.
@@ -61,10 +62,13 @@ uvicorn's protocol has 28 attributes, so what the exporter keeps per connection 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import socket
 import struct
+import termios
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Self
@@ -76,17 +80,20 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from exporter.config.settings import flag_of
 from exporter.errors import HeadersTooLarge, HeaderTimeout, Refused, TooManyConnections
 from exporter.server import gc_freeze
+from exporter.server.feed_turns import FeedTurns
+from exporter.server.oldest_first import OldestFirst
 from exporter.server.problems import PROBLEM_JSON, problem_document, problem_for
 from exporter.server.quick_heartbeats import QuickHeartbeats
 
 # Requests a connection may have waiting behind the one answered before it is no longer read.
 PIPELINED_AT_MOST = 8
-# Bytes parsed at once: the requests waiting are counted between two feeds (a heartbeat's head is about 200).
+# Bytes parsed at once: the requests waiting are counted between two feeds (a heartbeat's head is about 200). Also a
+# connection's share of a turn of the event loop: the rest of a read waits for a later turn (``FeedTurns``).
 FEED_BYTES = 4096
-# Bytes of one connection parsed in one turn of the event loop; the rest of a read waits for the next turn, so a
-# connection pipelining quick heartbeats (answered as they are parsed) takes its turn like any other: a read of
-# uvloop's (up to 256 KiB, some 2,500 heartbeats) would otherwise hold the loop for tens of milliseconds.
-FED_PER_TURN = FEED_BYTES
+# Shares parsed in one turn of the event loop, whatever the number of connections with more to parse: the bytes of
+# a turn's flood of pipelined heartbeats (8 KiB, about 85), so that a fresh request, which needs a few turns, is
+# answered within milliseconds however many connections pipeline (exporter/server/feed_turns.py).
+SHARES_PER_TURN = 2
 # ``SO_LINGER`` on, for 0 seconds: a close resets the connection, dropping what is unsent.
 LINGER_NONE = struct.pack("ii", 1, 0)
 # At the connection cap, one warning per this many seconds at most, with the counts refused and closed since the last.
@@ -97,11 +104,16 @@ class ConnectionState:
     """What the exporter's protocol keeps per connection beyond uvicorn's, in one attribute with slots (see the
     module: CPython's key-sharing dicts)."""
 
-    __slots__ = ("head_begun", "header_room", "header_timer", "held", "waiting", "write_buffered", "write_timer")
+    __slots__ = (
+        "feed_waiting", "head_begun", "header_room", "header_timer", "held", "waiting", "write_buffered",
+        "write_timer",
+    )  # fmt: skip
 
     def __init__(self, header_room: int) -> None:
-        # Bytes read but not parsed, until the requests waiting drain.
-        self.held: bytes | None = None
+        # Bytes read but not parsed, until the requests waiting drain or the connection's next share of a turn.
+        self.held: bytes | memoryview | None = None
+        # Queued for a share of a turn (``FeedTurns``).
+        self.feed_waiting = False
         # Bytes the current request's line and headers may still take; None once they are in.
         self.header_room: int | None = header_room
         self.header_timer: asyncio.TimerHandle | None = None
@@ -128,6 +140,19 @@ class BoundedFlow(FlowControl):
             super().resume_reading()
 
 
+class ConnectionsByAge:
+    """An event loop's connections that may make room at the cap, each kind oldest first: those that wait idle
+    (kept as they go idle, dropped when found busy again), those stalled on writing and those whose head is
+    incomplete (kept while their timer is armed)."""
+
+    __slots__ = ("heads", "idle", "writing")
+
+    def __init__(self) -> None:
+        self.idle: OldestFirst[GuardedHttpToolsProtocol] = OldestFirst()
+        self.writing: OldestFirst[GuardedHttpToolsProtocol] = OldestFirst()
+        self.heads: OldestFirst[GuardedHttpToolsProtocol] = OldestFirst()
+
+
 class PipelineBoundProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with HTTP/1.1 pipelining bounded per connection: a client that sends requests
     without reading the answers holds a bounded amount of the exporter's memory.
@@ -137,8 +162,9 @@ class PipelineBoundProtocol(HttpToolsProtocol):
     every request of a read at once (what that cost, unbounded: docs/RELIABILITY.md, "Pipelining bounded"). Here
     the parser is fed ``FEED_BYTES`` at a time; once ``PIPELINED_AT_MOST`` requests wait, the rest of the read is
     kept unparsed and the connection is not read until the queue drains. So a connection holds at most the requests
-    of one feed past the bound, and one read. Past ``FED_PER_TURN`` bytes in one turn the rest is kept the same
-    way and fed in the loop's next turn, after the other connections' events.
+    of one feed past the bound, and one read. A read is parsed ``FEED_BYTES`` a turn of the event loop: the rest is
+    kept the same way and queued for a later turn (``FeedTurns``, one per loop), which parses the shares of at most
+    ``SHARES_PER_TURN`` connections, in the order they queued.
 
     At close the queue is dropped: each queued request refers back to its protocol (a reference cycle), garbage that
     reference counting cannot free, and that frozen (``exporter/server/gc_freeze.py``) the collector would not see.
@@ -148,6 +174,8 @@ class PipelineBoundProtocol(HttpToolsProtocol):
 
     _connection: ConnectionState
     flow: BoundedFlow
+    # Each event loop's turns (weakly: an in-process test's loops come and go).
+    _feed_turns: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FeedTurns]] = weakref.WeakKeyDictionary()
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -162,25 +190,27 @@ class PipelineBoundProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         held = self._connection.held
         if held is not None:  # read as reading was paused
-            self._connection.held = held + data
+            self._connection.held = bytes(held) + data
             return
         self._feed(data)
 
-    def _feed(self, data: bytes) -> None:
-        for start in range(0, len(data), FEED_BYTES):
-            if len(self.pipeline) >= PIPELINED_AT_MOST or start >= FED_PER_TURN:
-                self._connection.held = data[start:]
-                self.flow.pause_reading()
-                if len(self.pipeline) < PIPELINED_AT_MOST:  # this turn's share is parsed: the rest in the next
-                    self.loop.call_soon(self._feed_held)
-                break
-            self._parse(data[start : start + FEED_BYTES])
+    def _feed(self, data: bytes | memoryview) -> None:
+        """Parse a share of ``data``, unless the requests waiting reach their bound; keep the rest."""
+        view = memoryview(data)  # slices of it copy nothing: a read's rest is kept as it was read
+        if len(self.pipeline) < PIPELINED_AT_MOST:
+            self._parse(view[:FEED_BYTES])
             if self.transport.is_closing():
                 return
+            view = view[FEED_BYTES:]
+        if view:
+            self._connection.held = view
+            self.flow.pause_reading()
+            if len(self.pipeline) < PIPELINED_AT_MOST:  # this turn's share is parsed: the rest in a later one
+                self._wait_for_a_turn()
         self._fed()
 
-    def _parse(self, data: bytes) -> None:
-        HttpToolsProtocol.data_received(self, data)
+    def _parse(self, data: bytes | memoryview) -> None:
+        HttpToolsProtocol.data_received(self, data)  # type: ignore[arg-type]  # the parser takes any buffer
 
     def _fed(self) -> None:
         """A read is parsed, or kept for later."""
@@ -189,9 +219,19 @@ class PipelineBoundProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._connection.held is not None and not self.transport.is_closing():
             # Not now: this may run within a parser callback (a quick heartbeat's answer), and the parser is busy.
-            self.loop.call_soon(self._feed_held)
+            self._wait_for_a_turn()
+
+    def _wait_for_a_turn(self) -> None:
+        connection = self._connection
+        if not connection.feed_waiting:
+            connection.feed_waiting = True
+            turns = self._feed_turns.get(self.loop)
+            if turns is None:
+                turns = self._feed_turns[self.loop] = FeedTurns(SHARES_PER_TURN)
+            turns.wait(self._feed_held, self.loop.call_soon)
 
     def _feed_held(self) -> None:
+        self._connection.feed_waiting = False
         held, self._connection.held = self._connection.held, None
         if held is None or self.transport.is_closing():
             return
@@ -208,7 +248,8 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     buffer past the high-water mark), the client must take some of it within that many seconds, again and again,
     or the connection is aborted, its buffers released (``write_stalled``); pipelined requests behind it go with it.
     A connection past the cap (``max_connections``; ``None``: none) makes room by closing, in this order, a
-    kept-alive connection that waits idle for its next request (a client reconnects to send it), the connection
+    kept-alive connection that waits idle for its next request (a client reconnects to send it; reset, as
+    below, when the kernel still holds part of its last answer: ``unsent_bytes``), the connection
     stalled on writing longest (aborted), or the connection whose request head has been incomplete longest (answered
     503); only when none of them is open is it answered 503 and closed at once, before it sends anything. So idle
     connections cannot take every file descriptor, kept-alive ones (the plugin's, between heartbeats) never keep a
@@ -222,6 +263,10 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     _cap_logged: ClassVar[float] = float("-inf")
     _cap_refused: ClassVar[int] = 0
     _cap_closed: ClassVar[int] = 0
+    # Each event loop's connections that may make room, by age (weakly: an in-process test's loops come and go).
+    _rooms: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ConnectionsByAge]] = (
+        weakref.WeakKeyDictionary()
+    )
     # The server's settings, the same for each connection: class attributes (see ``ConnectionState``).
     max_header_bytes: ClassVar[int]
     header_timeout: ClassVar[float]
@@ -250,21 +295,30 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         self._arm_header_timer()
 
     def _make_room(self, limit: int) -> bool:
-        """At the cap: close an idle connection, else the one stalled on writing longest, else the one whose head
-        has been incomplete longest; False if none is open. The one closed leaves the count at once."""
-        if self._close_an_idle_connection():
+        """At the cap: close the oldest idle connection, else the one stalled on writing longest, else the one whose
+        head has been incomplete longest; False if none is open. The one closed leaves the count at once."""
+        room = self._room()
+        idle = room.idle.oldest(lambda connection: connection._is_idle() and connection in self.connections)
+        if idle is not None:
+            room.idle.discard(idle)
+            if unsent_bytes(idle.transport):  # its peer reads nothing: a close would leave the rest to the kernel
+                reset(idle.transport)
+            else:
+                idle.timeout_keep_alive_handler()
+            self.connections.discard(idle)
             return True
-        others = [connection for connection in self.connections if isinstance(connection, GuardedHttpToolsProtocol)]
-        stalled = oldest(others, lambda connection: connection._connection.write_timer, float("inf"))
+        stalled = room.writing.oldest(lambda connection: connection in self.connections)
         if stalled is not None:
+            room.writing.discard(stalled)
             reset(stalled.transport)
         else:
+            stalled = room.heads.oldest(lambda connection: connection in self.connections)
             # A head timed from this turn of the loop is left alone: its connection was accepted with this one, and
-            # what it sent is read after it.
-            timed_before = self.loop.time() + self.header_timeout
-            stalled = oldest(others, lambda connection: connection._connection.header_timer, timed_before)
-            if stalled is None:
+            # what it sent is read after it. Those younger are timed from this turn too.
+            timer = None if stalled is None else stalled._connection.header_timer
+            if timer is None or timer.when() >= self.loop.time() + self.header_timeout:
                 return False
+            room.heads.discard(stalled)
             detail = "the exporter is at its connection cap and the request's head is still incomplete"
             stalled._refuse(TooManyConnections(None, detail), log=False)
         self.connections.discard(stalled)
@@ -272,14 +326,15 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         self._warn_of_the_cap(limit)
         return True
 
-    def _close_an_idle_connection(self) -> bool:
-        """Close one connection that waits for its next request (its keep-alive timer runs); False if none does."""
-        for connection in self.connections:
-            if getattr(connection, "timeout_keep_alive_task", None) is not None:
-                connection.timeout_keep_alive_handler()
-                self.connections.discard(connection)
-                return True
-        return False
+    def _room(self) -> ConnectionsByAge:
+        room = self._rooms.get(self.loop)
+        if room is None:
+            room = self._rooms[self.loop] = ConnectionsByAge()
+        return room
+
+    def _is_idle(self) -> bool:
+        """Waiting for its next request (its keep-alive timer runs)."""
+        return self.timeout_keep_alive_task is not None and not self.transport.is_closing()
 
     def _at_cap(self, limit: int) -> None:
         GuardedHttpToolsProtocol._cap_refused += 1
@@ -300,8 +355,14 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self._disarm_write_timer()
+        self._room().idle.discard(self)
         super().connection_lost(exc)
         gc_freeze.connection_closed()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:
+            self._room().idle.add(self)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -316,16 +377,19 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
         connection = self._connection
         connection.write_buffered = self.transport.get_write_buffer_size()
         connection.write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+        self._room().writing.add(self)
 
     def _disarm_write_timer(self) -> None:
         connection = self._connection
         if connection.write_timer is not None:
             connection.write_timer.cancel()
             connection.write_timer = None
+            self._room().writing.discard(self)
 
     def _write_timed_out(self) -> None:
         connection = self._connection
         connection.write_timer = None
+        self._room().writing.discard(self)
         if self.transport.is_closing():
             return
         if write_stalled(connection.write_buffered, self.transport.get_write_buffer_size()):
@@ -379,15 +443,18 @@ class GuardedHttpToolsProtocol(PipelineBoundProtocol):
 
     def _arm_header_timer(self) -> None:
         self._connection.header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+        self._room().heads.add(self)
 
     def _disarm_header_timer(self) -> None:
         connection = self._connection
         if connection.header_timer is not None:
             connection.header_timer.cancel()
             connection.header_timer = None
+            self._room().heads.discard(self)
 
     def _header_timed_out(self) -> None:
         self._connection.header_timer = None
+        self._room().heads.discard(self)
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:  # answer the request before it first
@@ -419,25 +486,24 @@ def reset(transport: asyncio.Transport) -> None:
     transport.abort()
 
 
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """What the kernel still holds of what was written to the connection, unsent or not yet acknowledged by the
+    peer (Linux's ``SIOCOUTQ``): more than a little once a peer that reads nothing has closed its window; 0 where
+    that cannot be asked. An answer that fits in the kernel's buffers (a few MB on loopback) leaves the transport
+    at once: its connection then waits idle while the kernel holds the answer, and a plain close would leave it
+    there, in an orphan socket, for minutes. A thousand such hold gigabytes of the kernel's memory for TCP, whose
+    pressure then slows every connection."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0] if sock else 0
+    except (OSError, AttributeError):
+        return 0
+
+
 def write_stalled(buffered_before: int, buffered_now: int) -> bool:
     """Whether a client took none of its answer in a write deadline: the transport buffers as many bytes as when
     the deadline was armed, or more (what was sent since was written behind them, none taken)."""
     return buffered_now >= buffered_before
-
-
-def oldest(
-    connections: list[GuardedHttpToolsProtocol],
-    timer_of: Callable[[GuardedHttpToolsProtocol], asyncio.TimerHandle | None],
-    running_out_before: float,
-) -> GuardedHttpToolsProtocol | None:
-    """The connection whose timer (armed with the same timeout for each) runs out first, of those with one armed
-    that runs out before ``running_out_before``: the one stalled longest; None if there is none."""
-    armed = [
-        (timer.when(), index)
-        for index, connection in enumerate(connections)
-        if (timer := timer_of(connection)) is not None and timer.when() < running_out_before
-    ]
-    return connections[min(armed)[1]] if armed else None
 
 
 def _configured_protocol(

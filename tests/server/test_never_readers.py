@@ -1,11 +1,12 @@
 """Readers that never read, against a real ``cache-config-exporter serve`` on loopback: a flood of clients asking
 for a large ``/metrics`` and reading none of it, connections pipelining heartbeats without reading, and stalled
-request heads reopened as they drop. During each, ``/-/healthy`` and a fresh scrape still answer; after it, the
-exporter's memory comes back. Each timing is judged against a quiet baseline measured in the same test (the machine
-is shared); the figures recorded carry the absolute values."""
+request heads reopened as they drop. During each, ``/-/healthy`` and a fresh scrape still answer within the goal;
+after it, the exporter's memory comes back. The figures recorded carry the absolute values and the quiet baseline
+measured in the same test."""
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import statistics
@@ -15,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -32,14 +34,34 @@ pytestmark = pytest.mark.slow
 # Once the clients left, RSS is back within this many MiB of its baseline within RECOVERY_SECONDS.
 BACK_WITHIN_MIB = 50
 RECOVERY_SECONDS = 10.0
-# The goal for /-/healthy and a fresh scrape during a flood; under the shared machine's load each is asserted
-# within QUIET_FACTOR times the quiet p99 plus this, the absolute figure recorded.
+# The goal for the p99 of /-/healthy and of a fresh scrape during every flood.
 GOAL_SECONDS = 0.1
+# During a flood of work (pipelined heartbeats), the exporter's one event loop is never idle: what a request waits
+# for is that loop's turns, so it stretches by the share of a core the machine gives the process. Asserted: the
+# p99 within the goal on top of what the same request takes quiet (``QUIET_FACTOR`` times its quiet p99, the
+# machine's own noise), divided by the share of a core the exporter had during the flood (at most 1, at least
+# ``LEAST_CPU_SHARE``: below it the machine is too busy to say anything). On a machine that gives the exporter its
+# core (CI's two, the attacker on the other) that is the goal plus a few milliseconds.
+LEAST_CPU_SHARE = 0.25
+# In place of the goal for a scrape during a flood of work: a scrape waits for two other threads (the writer folds
+# the heartbeats heard, a worker renders), and the loop, never idle, hands each the interpreter's lock only every
+# switch interval (5 ms) at each of their waits; measured p99 0.05 to 0.25 s on a 2-core machine shared with other
+# jobs (docs/RELIABILITY.md, "Readers that never read").
+SCRAPE_HANDOFFS_SECONDS = 0.5
+# The worst single request of a flood of work or of connections: under a kubelet's default probe timeout (1 s), so
+# that a liveness probe of ``/-/healthy`` never fails during one.
+WORST_SECONDS = 1.0
+# The worst single request of the flood of large scrapes: the 1,000 requests arrive at once, and a fresh request
+# accepted behind them waits for each to be answered (2 MB, written while the kernel takes it): a burst, answered
+# in full, bounded by the client's own timeout (``timed``).
+BURST_WORST_SECONDS = 10.0
+# Slowloris: a fresh connection waits in the kernel's accept queue (first in, first out) behind the attacker's
+# connections queued there, up to its clients past the cap (744), each accepted and parsed before it. At the 1,700
+# to 2,900 accepts a second measured under load on a shared 2-core machine that is 0.26 to 0.44 s, above the goal
+# whatever the exporter does for the request once accepted; its p99 is asserted within this of 3 times the quiet
+# p99 (docs/RELIABILITY.md, "Readers that never read").
+ACCEPT_QUEUE_SECONDS = 0.75
 QUIET_FACTOR = 3
-# The allowance, in place of the goal, for floods of work the exporter does in full (heartbeats it answers as fast
-# as they come, connections opened as fast as they are closed): its one event loop is busy with them, as with any
-# flood of cheap requests (docs/RELIABILITY.md, "Readers that never read"). Before the fix, each was seconds.
-BUSY_SECONDS = 1.0
 # What a never-reading client's kernel offers to receive: the flood's kernel memory stays small.
 RECEIVE_BUFFER = 4096
 METRICS = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -170,6 +192,13 @@ def rss_mib(exporter: ExporterProcess) -> float:
     return memory_kib(exporter.process.pid)["VmRSS"] / 1024
 
 
+def cpu_seconds(exporter: ExporterProcess) -> float:
+    """The CPU time the process has used, user and system (``/proc/PID/stat``)."""
+    assert exporter.process is not None
+    fields = Path(f"/proc/{exporter.process.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_mib(exporter: ExporterProcess) -> float:
     assert exporter.process is not None
     return memory_kib(exporter.process.pid)["VmHWM"] / 1024
@@ -182,24 +211,28 @@ def assert_answered_and_given_back(
     baseline: float,
     quiet_p99: tuple[float, float],
     watch: Watch,
-    allowed_seconds: float,
+    allowed: tuple[float, float, float],
     **figures: object,
 ) -> None:
-    """Record the flood's figures; assert every request timed answered, /-/healthy's and the scrape's p99 within
-    ``allowed_seconds`` (above ``QUIET_FACTOR`` times quiet), and RSS back within ``BACK_WITHIN_MIB`` of its
-    baseline within ``RECOVERY_SECONDS`` of the clients leaving."""
+    """Record the flood's figures; assert every request timed answered, /-/healthy's p99, the scrape's p99 and the
+    worst of either within ``allowed`` (in that order), and RSS back within ``BACK_WITHIN_MIB`` of its baseline within
+    ``RECOVERY_SECONDS`` of the clients leaving."""
     back_after = seconds_until(lambda: rss_mib(exporter) - baseline <= BACK_WITHIN_MIB, RECOVERY_SECONDS)
     healthy, scraped = p99(watch.healthy), p99(watch.scrapes)
+    worst = max(watch.healthy + watch.scrapes, default=0)
     record(record_property, name, **figures, rss_baseline_mib=round(baseline, 1),
            rss_peak_growth_mib=round(peak_mib(exporter) - baseline, 1),
            back_within_50_mib_seconds=back_after and round(back_after, 2),
            quiet_healthy_p99_seconds=round(quiet_p99[0], 4), quiet_scrape_p99_seconds=round(quiet_p99[1], 4),
            healthy_p99_seconds=round(healthy, 4), healthy_worst_seconds=round(max(watch.healthy, default=0), 4),
            scrape_p99_seconds=round(scraped, 4), scrape_worst_seconds=round(max(watch.scrapes, default=0), 4),
+           allowed_healthy_p99_seconds=round(allowed[0], 4), allowed_scrape_p99_seconds=round(allowed[1], 4),
+           allowed_worst_seconds=round(allowed[2], 4),
            healthy_timed=len(watch.healthy), scrapes_timed=len(watch.scrapes), failed=dict(watch.failed))  # fmt: skip
     assert not watch.failed
-    assert healthy <= QUIET_FACTOR * quiet_p99[0] + allowed_seconds, (healthy, quiet_p99)
-    assert scraped <= QUIET_FACTOR * quiet_p99[1] + allowed_seconds, (scraped, quiet_p99)
+    assert healthy <= allowed[0], (healthy, allowed, quiet_p99)
+    assert scraped <= allowed[1], (scraped, allowed, quiet_p99)
+    assert worst <= allowed[2], (worst, allowed, quiet_p99)
     assert back_after is not None, f"RSS more than {BACK_WITHIN_MIB} MiB above its baseline {RECOVERY_SECONDS} s after"
 
 
@@ -226,7 +259,7 @@ def test_clients_that_never_read_a_large_scrape_are_dropped_and_leave_room(
     ):
         time.sleep(LARGE_FLOOD_SECONDS)  # the flood's length: the watch measures meanwhile
     assert_answered_and_given_back(record_property, "never_read_large_scrapes", exporter, baseline, quiet_p99, watch,
-                                   GOAL_SECONDS,
+                                   (GOAL_SECONDS, GOAL_SECONDS, BURST_WORST_SECONDS),
                                    clients=LARGE_FLOOD_CLIENTS, cap=LARGE_FLOOD_CAP, seconds=LARGE_FLOOD_SECONDS,
                                    metrics_bytes=size, connections_opened=counts["opened"])  # fmt: skip
 
@@ -244,13 +277,22 @@ def test_pipelined_heartbeats_never_read_leave_liveness_and_memory_alone(
     assert pushed.status == 200
     quiet_p99 = quiet(exporter.url)
     baseline = rss_mib(exporter)
-    until = time.monotonic() + PIPELINE_SECONDS
+    used_before, started = cpu_seconds(exporter), time.monotonic()
+    until = started + PIPELINE_SECONDS
     with ThreadPoolExecutor(connections) as pool, Watch(exporter.url) as watch:
         flooding = [pool.submit(pipelining, exporter.port, until, HEARTBEAT) for _ in range(connections)]
         sent = sum(future.result(timeout=PIPELINE_SECONDS + 30) for future in flooding)
+    share = min(1.0, (cpu_seconds(exporter) - used_before) / (time.monotonic() - started))
+    cpu = max(share, LEAST_CPU_SHARE)
+    allowed = (
+        (GOAL_SECONDS + QUIET_FACTOR * quiet_p99[0]) / cpu,
+        (SCRAPE_HANDOFFS_SECONDS + QUIET_FACTOR * quiet_p99[1]) / cpu,
+        WORST_SECONDS,
+    )
     assert_answered_and_given_back(record_property, f"never_read_pipelined_heartbeats_{connections}", exporter,
-                                   baseline, quiet_p99, watch, BUSY_SECONDS, connections=connections,
-                                   seconds=PIPELINE_SECONDS, heartbeats_sent=sent)  # fmt: skip
+                                   baseline, quiet_p99, watch, allowed,
+                                   connections=connections, seconds=PIPELINE_SECONDS, heartbeats_sent=sent,
+                                   cpu_share=round(share, 2))  # fmt: skip
 
 
 SLOWLORIS_CLIENTS = 1000
@@ -273,8 +315,14 @@ def test_stalled_heads_reopened_as_they_drop_leave_fresh_requests_answered(
         )
         watch = stack.enter_context(Watch(exporter.url))
         time.sleep(SLOWLORIS_SECONDS)  # the flood's length: the watch measures meanwhile
+    allowed = (
+        QUIET_FACTOR * quiet_p99[0] + ACCEPT_QUEUE_SECONDS,
+        QUIET_FACTOR * quiet_p99[1] + ACCEPT_QUEUE_SECONDS,
+        WORST_SECONDS,
+    )
     assert_answered_and_given_back(record_property, "slowloris_reopened", exporter, baseline, quiet_p99, watch,
-                                   BUSY_SECONDS,
+                                   allowed,
                                    clients=SLOWLORIS_CLIENTS, cap=SLOWLORIS_CAP, seconds=SLOWLORIS_SECONDS,
                                    connections_opened=counts["opened"],
+                                   accepts_per_second=round(counts["opened"] / SLOWLORIS_SECONDS),
                                    fresh_answered=len(watch.healthy) + len(watch.scrapes))  # fmt: skip
