@@ -41,7 +41,7 @@ from msgspec import UNSET, UnsetType
 from protocol.errors import InvalidPayload, SyncConflict
 from protocol.labels import parse_int
 from protocol.ready_response import EngineCoreReadyResponse, KVCacheGroups
-from protocol.releases import Release, newest, release_of
+from protocol.releases import Release, newest, release_named, release_of
 
 ALIGNED_MODES = frozenset({"align", "all"})
 # Where an engine's true mamba_block_size came from.
@@ -133,9 +133,12 @@ class EngineInput(msgspec.Struct, frozen=True, gc=False):
 def engine_input(response: EngineCoreReadyResponse) -> EngineInput:
     """What the sync reads of ``response``."""
     prefix_hash = response.reported("prefix_hash_config")
+    version = response.reported("vllm_version")
+    # By its version where it names one: the keys sent (a look at every field) only where it does not.
+    release = (release_named(version) if version else None) or release_of(version, response.sent_keys())
     return EngineInput(
         agreement=(*(response.reported(name) for name in _SHARED_ADDRESSES), response.reported("coord_store_port")),
-        release=release_of(response.reported("vllm_version"), response.sent_keys()),
+        release=release,
         cache_config_info=response.reported("cache_config_info"),
         block_size=response.reported("block_size"),
         num_gpu_blocks=response.num_gpu_blocks,
