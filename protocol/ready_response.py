@@ -175,7 +175,7 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
 
     def sent_keys(self) -> frozenset[str]:
         """vLLM's fields the engine put on the wire (known ones; unknown keys and the plugin's are not counted)."""
-        return frozenset(name for name in _VLLM_FIELDS if self.sent(name))
+        return frozenset(name for name in _VLLM_FIELDS if getattr(self, name) is not UNSET)
 
     def reported(self, name: str) -> Any:
         """A field's value, ``None`` when the engine did not send it or sent ``None``."""
