@@ -32,14 +32,14 @@ from bench.profiled_exporter import LOOP_PROFILE, WRITER_PROFILE
 ENGINES = 64
 
 
-def _cpu_seconds(stat: Path) -> float:
+def _cpu_seconds(stat: Path) -> tuple[float, float]:
     """User and system CPU seconds so far of a process or thread (its /proc ``stat``)."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
-def _threads(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of a process so far."""
+def _threads(pid: int) -> dict[int, tuple[float, float]]:
+    """User and system CPU seconds of each thread of a process so far."""
     seconds = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
@@ -74,12 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             exporter.process.send_signal(signal.SIGINT)  # uvicorn stops; the profiles are written
             exporter.process.wait(timeout=30)
         print(f"{result['rate']:.0f} ready responses a second on 1 connection, errors {result['errors']}")
-        spent = sorted(((after[tid] - before.get(tid, 0.0), tid) for tid in after), reverse=True)
-        print(f"exporter CPU {sum(cpu for cpu, _ in spent) / result['requests'] * 1e3:.3f} ms a request (wrk's part)")
-        for cpu, tid in spent:
+        per_request = 1e3 / result["requests"]
+        spent = sorted(
+            ((sum(after[tid]) - sum(before.get(tid, (0.0, 0.0))), after[tid][1] - before.get(tid, (0.0, 0.0))[1], tid)
+             for tid in after),
+            reverse=True,
+        )  # fmt: skip
+        print(f"exporter CPU {sum(cpu for cpu, _, _ in spent) * per_request:.3f} ms a request (wrk's part)")
+        for cpu, system, tid in spent:
             if cpu > 0:
                 name = "event loop" if tid == exporter.pid else f"thread {tid}"
-                print(f"  {name}: {cpu / result['requests'] * 1e3:.3f} ms a request")
+                print(f"  {name}: {cpu * per_request:.3f} ms a request, of it {system * per_request:.3f} in the kernel")
         if not args.without_profile:
             taken = len(warm_up) + result["requests"]
             for thread, name in (("event loop", LOOP_PROFILE), ("writer", WRITER_PROFILE)):
