@@ -94,12 +94,18 @@ def releases() -> tuple[Release, ...]:
     return tuple(sorted(msgspec.json.decode(data, type=ReleaseTable).releases, key=lambda r: r.key))
 
 
+# Versions (and sets of keys) looked up lately: a fleet's engines send a handful.
+VERSIONS_KEPT = 256
+
+
 def newest() -> Release:
     return releases()[-1]
 
 
+@lru_cache(maxsize=VERSIONS_KEPT)
 def release_of(vllm_version: str | None, keys: frozenset[str]) -> Release:
-    """The release a ready response with these ``keys`` comes from.
+    """The release a ready response with these ``keys`` comes from (looked up once for each version and keys: a
+    fleet's engines send a handful).
 
     By ``vllm_version`` when it names one: that release, or for a version the
     table does not know the newest known release not newer than it (a patch or a
@@ -117,10 +123,6 @@ def release_of(vllm_version: str | None, keys: frozenset[str]) -> Release:
         return exact[-1]
     covering = [release for _, fields, release in known if keys <= fields]
     return covering[0] if covering else known[-1][2]
-
-
-# Versions looked up lately: a fleet's engines name a handful.
-VERSIONS_KEPT = 256
 
 
 @lru_cache(maxsize=VERSIONS_KEPT)

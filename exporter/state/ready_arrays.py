@@ -81,8 +81,9 @@ class Agreement:
 
 @dataclass
 class Taken:
-    """What a pass over an array took: the replica's instance and engines after it (with their sync inputs), the
-    engines whose response it gave (to be stored, in the order first taken), and each refused engine's reason."""
+    """What a pass over an array took: the replica's instance and engines after it (with their sync inputs once it
+    took a response), the engines whose response it gave (to be stored, in the order first taken), and each refused
+    engine's reason."""
 
     instance_id: str | None
     engines: dict[int, EngineReport]
@@ -122,8 +123,10 @@ class ReadyArray:
         self.reports = reports
         self.now = now
         self.current = batch.get(key)
-        # The sync inputs of the replica's engines as committed, once for every pass.
-        self._kept = inputs.of(key, self.current.engines) if self.current else {}
+        # The sync inputs of the replica's engines as committed: read once a pass needs them (for a response that
+        # does not restart the replica), then the same in every pass. A restart (a server's start) drops them unread.
+        self._held = inputs
+        self._kept: dict[int, EngineInput] | None = None
         # Each response's sync input, and its engine's report once taken: the same in every pass.
         self._inputs = [engine_input(report.response) for report in reports]
         self._engine_reports: dict[int, EngineReport] = {}
@@ -131,14 +134,19 @@ class ReadyArray:
     def take(self, cut: Cut | None = None) -> Taken:
         """One pass over the responses, each checked as if it came alone after those taken before it."""
         current = self.current
-        taken = Taken(current.instance_id if current else None, dict(current.engines) if current else {},
-                      dict(self._kept))  # fmt: skip
-        agreement = Agreement(taken.inputs)
+        taken = Taken(current.instance_id if current else None, dict(current.engines) if current else {}, {})
+        # The engines' agreement: with the committed engines' inputs once a response that keeps them needs it.
+        agreement: Agreement | None = None
         past_cut = 0
         for place, report in enumerate(self.reports):
             given = self._inputs[place]
             try:
-                restart = self._check(taken, agreement, report, given)
+                restart = self._restarts(taken, report)
+                if not restart:
+                    if agreement is None:
+                        taken.inputs.update(self._kept_inputs())
+                        agreement = Agreement(taken.inputs)
+                    self._check(taken, agreement, report, given)
                 if cut is not None and taken.accepted >= cut.most:
                     past_cut += 1
                     raise cut.crossing if past_cut == 1 else cut.after
@@ -147,7 +155,7 @@ class ReadyArray:
                 continue
             if restart:
                 taken.instance_id = report.response.instance_id
-                taken.drops_stored = taken.drops_stored or bool(self._kept)
+                taken.drops_stored = taken.drops_stored or bool(current is not None and current.engines)
                 taken.engines.clear()
                 taken.inputs.clear()
                 taken.saved.clear()
@@ -155,23 +163,33 @@ class ReadyArray:
             taken.engines[report.engine] = self._engine_report(place)
             taken.inputs[report.engine] = given
             taken.saved[report.engine] = None
+            assert agreement is not None  # a restart made it, or the check of a response that keeps the engines
             agreement.put(report.engine, given)
             taken.accepted += 1
             taken.refused.pop(report.engine, None)
         return taken
 
-    def _check(self, taken: Taken, agreement: Agreement, report: EngineReady, given: EngineInput) -> bool:
-        """Refuse ``report`` where taking it next would be refused; whether it restarts the replica."""
+    def _restarts(self, taken: Taken, report: EngineReady) -> bool:
+        """Whether ``report`` restarts the replica (a new instance); refused where taking it next would be as a new
+        replica or its first engine."""
         if self.current is None and not taken.accepted:
             self.limits.check_new_replica(self.batch, self.key)
         instance_id = report.response.instance_id
         if is_set(instance_id) and instance_id != taken.instance_id:  # it alone is left: it agrees with itself
             self.limits.check_new_engine(self.key, 0)
             return True
+        return False
+
+    def _check(self, taken: Taken, agreement: Agreement, report: EngineReady, given: EngineInput) -> None:
+        """Refuse ``report``, which keeps the replica's engines, where taking it next would be refused."""
         if report.engine not in taken.engines:
             self.limits.check_new_engine(self.key, len(taken.engines))
         agreement.check(report.engine, given)
-        return False
+
+    def _kept_inputs(self) -> dict[int, EngineInput]:
+        if self._kept is None:
+            self._kept = self._held.of(self.key, self.current.engines) if self.current else {}
+        return self._kept
 
     def _engine_report(self, place: int) -> EngineReport:
         report = self._engine_reports.get(place)
