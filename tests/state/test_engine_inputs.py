@@ -86,3 +86,16 @@ def test_an_input_is_read_again_once_its_engines_report_is_replaced(monkeypatch:
     again = {0: engine_report(0, 2.0, RANK0, "msgpack")}  # the same bytes, heard again: another report
     assert kept.of(KEY, again) == {0: engine_input(RANK0_RESPONSE)}
     assert len(reads) == 1
+
+
+def test_a_restart_reads_none_of_the_engines_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's start (a new instance) drops the replica's engines: their responses are not read, even where their
+    inputs are no longer kept; a response of the same instance reads them."""
+    fleet = Fleet(Rules({}, wall=Clock(1_800_000_000.0), monotonic=Clock(5_000.0), inputs=EngineInputs(kept=0)))
+    fleet.ready(KEY, *(ready(rank, data_parallel_rank=rank, data_parallel_size=DP) for rank in range(DP)))
+    reads = read(monkeypatch)
+    restart = [ready(rank, data_parallel_rank=rank, data_parallel_size=DP, instance_id="run-1") for rank in range(DP)]
+    assert fleet.ready(KEY, *restart).replica is not None
+    assert reads == []
+    fleet.ready(KEY, ready(2, data_parallel_rank=2, data_parallel_size=DP, instance_id="run-1", num_gpu_blocks=7))
+    assert len(reads) == DP
