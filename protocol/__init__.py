@@ -23,11 +23,13 @@ from protocol.sync import (
     FROM_GROUPS,
     FROM_RULE,
     EngineFigures,
+    EngineInput,
     SyncedConfig,
-    agreement_values,
     check_agreement,
     check_engine_index,
+    engine_input,
     sync,
+    sync_inputs,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "KV_CACHE_GROUPS_KEY",
     "EngineCoreReadyResponse",
     "EngineFigures",
+    "EngineInput",
     "InvalidPayload",
     "KVCacheGroup",
     "KVCacheGroups",
@@ -43,7 +46,6 @@ __all__ = [
     "Release",
     "SyncConflict",
     "SyncedConfig",
-    "agreement_values",
     "check_agreement",
     "check_engine_index",
     "decode_accepted_ready_response",
@@ -51,10 +53,12 @@ __all__ = [
     "decode_shown_ready_response",
     "decode_static_labels",
     "encode_ready_response",
+    "engine_input",
     "is_set",
     "release_of",
     "releases",
     "shown_as_json",
     "spec_kind",
     "sync",
+    "sync_inputs",
 ]

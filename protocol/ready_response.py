@@ -24,6 +24,8 @@ ground truth of every group's block size; without it the sync falls back to rule
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from typing import Annotated, Any
 
@@ -175,7 +177,7 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
 
     def sent_keys(self) -> frozenset[str]:
         """vLLM's fields the engine put on the wire (known ones; unknown keys and the plugin's are not counted)."""
-        return frozenset(name for name in _VLLM_FIELDS if self.sent(name))
+        return frozenset(itertools.compress(_VLLM_FIELDS, map(operator.is_not, _vllm_values(self), _UNSETS)))
 
     def reported(self, name: str) -> Any:
         """A field's value, ``None`` when the engine did not send it or sent ``None``."""
@@ -184,6 +186,9 @@ class EngineCoreReadyResponse(msgspec.Struct, kw_only=True):
 
 
 _VLLM_FIELDS = tuple(name for name in EngineCoreReadyResponse.__struct_fields__ if name != "kv_cache_groups")
+# The values of ``_VLLM_FIELDS`` of a response, read at C speed, and as many ``UNSET`` to compare them with.
+_vllm_values = operator.attrgetter(*_VLLM_FIELDS)
+_UNSETS = (UNSET,) * len(_VLLM_FIELDS)
 
 MSGPACK = "msgpack"
 JSON = "json"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 
 import msgspec
@@ -94,12 +94,18 @@ def releases() -> tuple[Release, ...]:
     return tuple(sorted(msgspec.json.decode(data, type=ReleaseTable).releases, key=lambda r: r.key))
 
 
+# Versions (and sets of keys) looked up lately: a fleet's engines send a handful.
+VERSIONS_KEPT = 256
+
+
 def newest() -> Release:
     return releases()[-1]
 
 
+@lru_cache(maxsize=VERSIONS_KEPT)
 def release_of(vllm_version: str | None, keys: frozenset[str]) -> Release:
-    """The release a ready response with these ``keys`` comes from.
+    """The release a ready response with these ``keys`` comes from (looked up once for each version and keys: a
+    fleet's engines send a handful).
 
     By ``vllm_version`` when it names one: that release, or for a version the
     table does not know the newest known release not newer than it (a patch or a
@@ -107,17 +113,25 @@ def release_of(vllm_version: str | None, keys: frozenset[str]) -> Release:
     the newest release that sends exactly these keys, else the oldest that sends
     all of them.
     """
+    named = release_named(vllm_version) if vllm_version else None
+    if named is not None:
+        return named
     known = _versions_and_fields()
-    key = version_key(vllm_version) if vllm_version else ()
-    older = [release for version, _, release in known if version <= key] if key else []
-    if older:
-        return older[-1]
     keys = keys & known[-1][1]
     exact = [release for _, fields, release in known if fields == keys]
     if exact:
         return exact[-1]
     covering = [release for _, fields, release in known if keys <= fields]
     return covering[0] if covering else known[-1][2]
+
+
+@lru_cache(maxsize=VERSIONS_KEPT)
+def release_named(vllm_version: str) -> Release | None:
+    """The release ``vllm_version`` names: that release, or for a version the table does not know the newest known
+    release not newer than it; ``None`` for text that is no version or one older than every known release."""
+    key = version_key(vllm_version)
+    older = [release for version, _, release in _versions_and_fields() if version <= key] if key else []
+    return older[-1] if older else None
 
 
 @cache

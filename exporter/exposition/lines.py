@@ -96,7 +96,8 @@ COUNTS_KEPT = 8192
 
 
 class _EngineCount(NamedTuple):
-    """The bytes of an engine's lines but its info line, and what they depend on."""
+    """The bytes of an engine's lines but its info line's labels of the release (the replica's, counted once for
+    all its engines), and what they depend on."""
 
     figures: EngineFigures
     received_at: float
@@ -282,15 +283,20 @@ class ReplicaLines:
         self._engines_counted -= len(last)
         counts: dict[int, _EngineCount] = {}
         for engine, report in replica.engines.items():
-            engine_identity = (*identity, ("engine", str(engine)))
             figures = synced.engines[engine]
             count = last.get(engine)
-            if count is None or count.received_at != report.received_at or count.figures != figures:
+            if (
+                count is None
+                or count.received_at != report.received_at
+                or (count.figures is not figures and count.figures != figures)
+            ):
+                engine_identity = (*identity, ("engine", str(engine)))
                 samples: dict[Family, list[Sample]] = {family: [] for family in FAMILIES}
                 engine_samples(samples, engine_identity, figures, report.received_at)
-                count = _EngineCount(figures, report.received_at, self._counted(samples))
+                info_line = _line_bytes(self._name_bytes[INFO], engine_identity, 1.0)
+                count = _EngineCount(figures, report.received_at, self._counted(samples) + info_line)
             counts[engine] = count
-            total += count.size + _line_bytes(self._name_bytes[INFO], engine_identity, 1.0) + info_bytes
+            total += count.size + info_bytes
         self._counts[replica.key] = counts
         self._engines_counted += len(counts)
         while self._engines_counted > COUNTS_KEPT:  # the replicas counted longest ago go first, this one last

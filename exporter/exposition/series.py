@@ -195,6 +195,8 @@ class InfoLabels:
 
     def select(self, labels: Mapping[str, str]) -> Labels:
         """The labels kept, in the order of the sending vLLM release."""
+        if self.allow is None and not self.deny:  # every label: no name to look at
+            return tuple(labels.items())
         return tuple((name, value) for name, value in labels.items() if self.keeps(name))
 
 

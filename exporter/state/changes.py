@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from exporter.errors import UnknownReplica
+from exporter.state.engine_inputs import EngineInputs
 from exporter.state.limits import ByteBudget, Limits
 from exporter.state.ready_arrays import EngineReady, ReadyArray, Taken, within_budget
 from exporter.state.replicas import Replica, ReplicaKey, build_replica, stored_engine, stored_replica
@@ -50,6 +51,9 @@ class Rules:
     # Several processes share the store: each one's expiry reads the others' heartbeats from it, so a heartbeat
     # is committed like any change rather than kept in memory until a checkpoint.
     store_heartbeats: bool = False
+    # The sync inputs of the engines of the replicas changed lately (the writer's alone): a change of one engine
+    # reads its siblings' inputs from here rather than decoding their responses again.
+    inputs: EngineInputs = field(default_factory=EngineInputs)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def ready(
     make is synced once and measured once; past the byte budget the array is cut where it crosses it
     (``exporter/state/ready_arrays.py``).
     """
-    array = ReadyArray(rules.limits, batch, key, reports, rules.wall())
+    array = ReadyArray(rules.limits, batch, key, reports, rules.wall(), rules.inputs)
     taken = array.take()
     current = array.current
     if not taken.accepted:
@@ -111,7 +115,7 @@ def ready(
 
     def replica_of(taken: Taken) -> Replica:
         return build_replica(key, taken.instance_id, static, heartbeat, array.now, taken.engines, rules.base_labels,
-                             seen=seen, responses=taken.responses)  # fmt: skip
+                             seen=seen, inputs=taken.inputs, previous=current)  # fmt: skip
 
     if rules.budget is None:
         updated, size = replica_of(taken), None
@@ -119,6 +123,7 @@ def ready(
         taken, updated, size = within_budget(rules.budget, array, taken, replica_of)
     if updated is None:
         return ReadyOutcome(current, taken.refused)
+    rules.inputs.keep(key, updated.engines, taken.inputs)
     writes: list[Callable[[Store], None]] = [functools.partial(_delete_engines, key)] if taken.drops_stored else []
     writes.extend(
         functools.partial(_save_engine, key, engine, stored_engine(updated.engines[engine])) for engine in taken.saved
@@ -141,15 +146,18 @@ def static_labels(
 ) -> Replica:
     """Replace a replica's static labels (its frontend's ``metrics_info()``), creating it if needed."""
     current = _existing_or_room(rules, batch, key)
+    engines = current.engines if current else {}
     updated = build_replica(
         key,
         current.instance_id if current else None,
         dict(labels),
         _promised(current, heartbeat_seconds),
         rules.wall(),
-        current.engines if current else {},
+        engines,
         rules.base_labels,
         seen=rules.monotonic(),
+        inputs=rules.inputs.of(key, engines),
+        previous=current,
     )
     batch.stage(key, updated, _save(updated), size=_measured(rules, batch, key, updated))
     return updated
@@ -205,7 +213,8 @@ def delete_engine(rules: Rules, batch: Batch, key: ReplicaKey, engine: int) -> R
         return None
     engines = {index: report for index, report in current.engines.items() if index != engine}
     updated = build_replica(key, current.instance_id, current.static_labels, current.heartbeat_seconds,
-                            current.last_seen, engines, rules.base_labels, seen=current.seen)  # fmt: skip
+                            current.last_seen, engines, rules.base_labels, seen=current.seen,
+                            inputs=rules.inputs.of(key, engines), previous=current)  # fmt: skip
     batch.stage(
         key, updated, lambda store: store.delete_engine(*key, engine), size=_measured(rules, batch, key, updated)
     )

@@ -8,9 +8,9 @@ read waiting for the writer waits with it. So one pass (``ReadyArray.take``) che
 against running totals, each check in constant time:
 
 - the caps (``Limits``): a count of the engines, and whether the replica is new;
-- the engines' agreement, the sync's only refusal (``check_agreement``): their ``agreement_values`` are counted,
-  one response standing for each distinct set of them, so a check looks at a handful of responses; engines that
-  agree have few such sets;
+- the engines' agreement, the sync's only refusal (``check_agreement``): the ``agreement`` values of their sync
+  inputs are counted, one engine standing for each distinct set of them, so a check looks at a handful of inputs;
+  engines that agree have few such sets;
 - the byte budget (``within_budget``): the replica the pass makes is measured once. Only past the budget is the
   array cut where it crosses: the replica of its first *k* responses taken is measured for a few *k* (``crossing``:
   the first guessed, as an engine's lines take about as much as the next one's; then steps of one, two, four...
@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from exporter.errors import Refused
+from exporter.state.engine_inputs import EngineInputs
 from exporter.state.limits import ByteBudget, Limits
 from exporter.state.replicas import EngineReport, Replica, ReplicaKey, engine_report
 from exporter.state.writer import Batch
-from protocol import EngineCoreReadyResponse, InvalidPayload, agreement_values, check_agreement, is_set
+from protocol import EngineCoreReadyResponse, EngineInput, InvalidPayload, check_agreement, engine_input, is_set
 
 AgreementValues = tuple[object, ...]
 
@@ -46,46 +47,47 @@ class EngineReady(NamedTuple):
 
 
 class Agreement:
-    """The engines' agreement values, counted, with a response standing for each distinct set: ``check`` refuses
-    as ``check_agreement`` over every engine would, looking only at those standing for them."""
+    """The engines' agreement values, counted, with an engine's input standing for each distinct set: ``check``
+    refuses as ``check_agreement`` over every engine would, looking only at those standing for them."""
 
-    def __init__(self, responses: Mapping[int, EngineCoreReadyResponse]) -> None:
+    def __init__(self, inputs: Mapping[int, EngineInput]) -> None:
         self._values_of: dict[int, AgreementValues] = {}
         self._engines_with: Counter[AgreementValues] = Counter()
-        self._standing: dict[AgreementValues, EngineCoreReadyResponse] = {}
-        for engine, response in responses.items():
-            self.put(engine, response, agreement_values(response))
+        self._standing: dict[AgreementValues, EngineInput] = {}
+        for engine, held in inputs.items():
+            self.put(engine, held)
 
-    def check(self, engine: int, response: EngineCoreReadyResponse, values: AgreementValues) -> None:
-        """Raise the protocol's ``SyncConflict`` where the other engines contradict ``response`` (its ``values``)
-        as ``engine``'s. The engines taken agree, and so do the others: one with the same values adds none."""
-        replaced = self._values_of.get(engine)
+    def check(self, engine: int, given: EngineInput) -> None:
+        """Raise the protocol's ``SyncConflict`` where the other engines contradict ``given`` as ``engine``'s
+        input. The engines taken agree, and so do the others: one with the same values adds none."""
+        values, replaced = given.agreement, self._values_of.get(engine)
         if self._engines_with[values] - (values == replaced) > 0:
             return
         others = [self._standing[held] for held, count in self._engines_with.items()
                   if count - (held == replaced) > 0]  # fmt: skip
-        check_agreement([*others, response])
+        check_agreement([*others, given])
 
-    def put(self, engine: int, response: EngineCoreReadyResponse, values: AgreementValues) -> None:
-        """``response`` (its ``values``) is ``engine``'s now, replacing its earlier one."""
-        replaced = self._values_of.get(engine)
+    def put(self, engine: int, given: EngineInput) -> None:
+        """``given`` is ``engine``'s input now, replacing its earlier one."""
+        values, replaced = given.agreement, self._values_of.get(engine)
         if replaced is not None:
             self._engines_with[replaced] -= 1
             if not self._engines_with[replaced]:
                 del self._engines_with[replaced], self._standing[replaced]
         self._values_of[engine] = values
         self._engines_with[values] += 1
-        self._standing.setdefault(values, response)
+        self._standing.setdefault(values, given)
 
 
 @dataclass
 class Taken:
-    """What a pass over an array took: the replica's instance and engines after it (their responses decoded), the
-    engines whose response it gave (to be stored, in the order first taken), and each refused engine's reason."""
+    """What a pass over an array took: the replica's instance and engines after it (with their sync inputs once it
+    took a response), the engines whose response it gave (to be stored, in the order first taken), and each refused
+    engine's reason."""
 
     instance_id: str | None
     engines: dict[int, EngineReport]
-    responses: dict[int, EngineCoreReadyResponse]
+    inputs: dict[int, EngineInput]
     refused: dict[int, Exception] = field(default_factory=dict)
     saved: dict[int, None] = field(default_factory=dict)
     accepted: int = 0
@@ -104,10 +106,16 @@ class Cut(NamedTuple):
 
 class ReadyArray:
     """A replica's array of ready responses on a batch, taken in its order by ``take``; ``now`` is when they
-    arrived (Unix seconds)."""
+    arrived (Unix seconds); ``inputs``, the writer's kept sync inputs of the engines the replica holds."""
 
     def __init__(
-        self, limits: Limits, batch: Batch, key: ReplicaKey, reports: Sequence[EngineReady], now: float
+        self,
+        limits: Limits,
+        batch: Batch,
+        key: ReplicaKey,
+        reports: Sequence[EngineReady],
+        now: float,
+        inputs: EngineInputs,
     ) -> None:
         self.limits = limits
         self.batch = batch
@@ -115,23 +123,30 @@ class ReadyArray:
         self.reports = reports
         self.now = now
         self.current = batch.get(key)
-        # The replica's engines as committed, their responses decoded once for every pass.
-        self._kept = {engine: kept.response() for engine, kept in self.current.engines.items()} if self.current else {}
-        # Each response's agreement values, and its engine's report once taken: the same in every pass.
-        self._values = [agreement_values(report.response) for report in reports]
+        # The sync inputs of the replica's engines as committed: read once a pass needs them (for a response that
+        # does not restart the replica), then the same in every pass. A restart (a server's start) drops them unread.
+        self._held = inputs
+        self._kept: dict[int, EngineInput] | None = None
+        # Each response's sync input, and its engine's report once taken: the same in every pass.
+        self._inputs = [engine_input(report.response) for report in reports]
         self._engine_reports: dict[int, EngineReport] = {}
 
     def take(self, cut: Cut | None = None) -> Taken:
         """One pass over the responses, each checked as if it came alone after those taken before it."""
         current = self.current
-        taken = Taken(current.instance_id if current else None, dict(current.engines) if current else {},
-                      dict(self._kept))  # fmt: skip
-        agreement = Agreement(taken.responses)
+        taken = Taken(current.instance_id if current else None, dict(current.engines) if current else {}, {})
+        # The engines' agreement: with the committed engines' inputs once a response that keeps them needs it.
+        agreement: Agreement | None = None
         past_cut = 0
         for place, report in enumerate(self.reports):
-            values = self._values[place]
+            given = self._inputs[place]
             try:
-                restart = self._check(taken, agreement, report, values)
+                restart = self._restarts(taken, report)
+                if not restart:
+                    if agreement is None:
+                        taken.inputs.update(self._kept_inputs())
+                        agreement = Agreement(taken.inputs)
+                    self._check(taken, agreement, report, given)
                 if cut is not None and taken.accepted >= cut.most:
                     past_cut += 1
                     raise cut.crossing if past_cut == 1 else cut.after
@@ -140,31 +155,41 @@ class ReadyArray:
                 continue
             if restart:
                 taken.instance_id = report.response.instance_id
-                taken.drops_stored = taken.drops_stored or bool(self._kept)
+                taken.drops_stored = taken.drops_stored or bool(current is not None and current.engines)
                 taken.engines.clear()
-                taken.responses.clear()
+                taken.inputs.clear()
                 taken.saved.clear()
                 agreement = Agreement({})
             taken.engines[report.engine] = self._engine_report(place)
-            taken.responses[report.engine] = report.response
+            taken.inputs[report.engine] = given
             taken.saved[report.engine] = None
-            agreement.put(report.engine, report.response, values)
+            assert agreement is not None  # a restart made it, or the check of a response that keeps the engines
+            agreement.put(report.engine, given)
             taken.accepted += 1
             taken.refused.pop(report.engine, None)
         return taken
 
-    def _check(self, taken: Taken, agreement: Agreement, report: EngineReady, values: AgreementValues) -> bool:
-        """Refuse ``report`` where taking it next would be refused; whether it restarts the replica."""
+    def _restarts(self, taken: Taken, report: EngineReady) -> bool:
+        """Whether ``report`` restarts the replica (a new instance); refused where taking it next would be as a new
+        replica or its first engine."""
         if self.current is None and not taken.accepted:
             self.limits.check_new_replica(self.batch, self.key)
         instance_id = report.response.instance_id
         if is_set(instance_id) and instance_id != taken.instance_id:  # it alone is left: it agrees with itself
             self.limits.check_new_engine(self.key, 0)
             return True
+        return False
+
+    def _check(self, taken: Taken, agreement: Agreement, report: EngineReady, given: EngineInput) -> None:
+        """Refuse ``report``, which keeps the replica's engines, where taking it next would be refused."""
         if report.engine not in taken.engines:
             self.limits.check_new_engine(self.key, len(taken.engines))
-        agreement.check(report.engine, report.response, values)
-        return False
+        agreement.check(report.engine, given)
+
+    def _kept_inputs(self) -> dict[int, EngineInput]:
+        if self._kept is None:
+            self._kept = self._held.of(self.key, self.current.engines) if self.current else {}
+        return self._kept
 
     def _engine_report(self, place: int) -> EngineReport:
         report = self._engine_reports.get(place)

@@ -16,13 +16,15 @@ import msgspec
 from exporter.state.storage import StoredEngine, StoredReplica
 from protocol import (
     EngineCoreReadyResponse,
+    EngineInput,
     InvalidPayload,
     SyncedConfig,
     decode_accepted_ready_response,
     decode_shown_ready_response,
     decode_static_labels,
+    engine_input,
     shown_as_json,
-    sync,
+    sync_inputs,
 )
 
 ReplicaKey = tuple[str, str]
@@ -91,15 +93,24 @@ def build_replica(
     *,
     seen: float | None = None,
     responses: Mapping[int, EngineCoreReadyResponse] | None = None,
+    inputs: Mapping[int, EngineInput] | None = None,
+    previous: Replica | None = None,
 ) -> Replica:
     """A replica with its config synced from ``engines`` over ``base_labels`` and its own static labels.
 
-    ``seen`` (expiry's clock, see ``Replica.seen``) is now unless given. ``responses``: the engines' decoded
-    responses where the caller has them (else each report's bytes are decoded again).
-    Raises the protocol's ``SyncConflict`` when the engines contradict each other.
+    ``seen`` (expiry's clock, see ``Replica.seen``) is now unless given. The engines' sync inputs are ``inputs``
+    where the caller has them, else read from ``responses`` (decoded), else from each report's bytes. ``previous``:
+    the replica this one replaces; its engines whose report this one holds keep their figures from it (see
+    ``protocol.sync_inputs``). Raises the protocol's ``SyncConflict`` when the engines contradict each other.
     """
-    if responses is None:
-        responses = {index: report.response() for index, report in engines.items()}
+    if inputs is None:
+        if responses is None:
+            responses = {index: report.response() for index, report in engines.items()}
+        inputs = {index: engine_input(response) for index, response in responses.items()}
+    unchanged, before = [], None
+    if previous is not None:
+        unchanged = [index for index, report in engines.items() if previous.engines.get(index) is report]
+        before = previous.synced
     return Replica(
         deployment=key[0],
         name=key[1],
@@ -109,7 +120,7 @@ def build_replica(
         last_seen=last_seen,
         seen=time.monotonic() if seen is None else seen,
         engines=MappingProxyType(dict(engines)),
-        synced=sync({**base_labels, **static_labels}, responses),
+        synced=sync_inputs({**base_labels, **static_labels}, inputs, before, unchanged),
     )
 
 

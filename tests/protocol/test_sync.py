@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from msgspec import UNSET
 
 from protocol import (
     EngineCoreReadyResponse,
+    EngineInput,
     InvalidPayload,
     KVCacheGroup,
     KVCacheGroups,
@@ -18,8 +23,11 @@ from protocol import (
     SyncedConfig,
     check_engine_index,
     decode_ready_response,
+    engine_input,
     sync,
+    sync_inputs,
 )
+from protocol.ready_response import PrefixHashConfig
 from protocol.releases import releases
 from tests.helpers.release_payloads import engine_labels, ready_payload
 from tests.support import fixture_bytes
@@ -234,3 +242,77 @@ def test_the_labels_show_the_first_engine_that_tells() -> None:
     assert synced.labels["hash_block_size"] == "640"
     assert (synced.engines[0].hash_block_size_source, synced.engines[1].hash_block_size_source) == (
         "unknown", "kv_cache_groups")  # fmt: skip
+
+
+# A replica's engines changing one step at a time: each step keeps or replaces each engine's response (and may drop
+# or add engines) and may change the static labels, which move the replica-wide figure rule (the Mamba cache mode,
+# the configured mamba_block_size, the default block size). Few distinct values, so that steps keep engines often.
+_GROUPS = st.sampled_from([
+    None,
+    KVCacheGroups(num_blocks=10, groups=[
+        KVCacheGroup(spec="MambaSpec", block_size=1056, page_size_bytes=64, layers=["m"]),
+        KVCacheGroup(spec="FullAttentionSpec", block_size=528, page_size_bytes=64, layers=["a"]),
+    ], hash_block_size=16),
+    KVCacheGroups(num_blocks=10, groups=[
+        KVCacheGroup(spec="FullAttentionSpec", block_size=16, page_size_bytes=64, layers=["a"])
+    ], cache_hit_alignment_tokens=64),
+])  # fmt: skip
+_SIZES = st.sampled_from([UNSET, None, 16, 528, 1056])
+_RESPONSE = st.builds(
+    EngineCoreReadyResponse,
+    max_model_len=st.sampled_from([4096, 131072]),
+    num_gpu_blocks=st.sampled_from([0, 1997, 2500]),
+    block_size=st.sampled_from([UNSET, 16, 528]),
+    mamba_block_size=_SIZES,
+    effective_attention_block_size=_SIZES,
+    kv_cache_size_tokens=st.sampled_from([UNSET, None, 2108832]),
+    kv_cache_max_concurrency=st.sampled_from([UNSET, None, 8.04]),
+    data_parallel_size=st.sampled_from([UNSET, 1, 8]),
+    dp_stats_address=st.sampled_from([UNSET, None, "tcp://10.0.0.5:5570", "tcp://10.0.0.6:5570"]),
+    vllm_version=st.sampled_from([UNSET, "0.20.0", NEWEST.version]),
+    cache_config_info=st.sampled_from([UNSET, None, ALIGNED, {**ALIGNED, "mamba_cache_mode": "none"}]),
+    prefix_hash_config=st.sampled_from([UNSET, None, PrefixHashConfig(hash_block_size=32)]),
+    kv_cache_groups=_GROUPS.map(lambda groups: UNSET if groups is None else groups),
+)
+_STATIC = st.fixed_dictionaries({}, optional={
+    "mamba_cache_mode": st.sampled_from(["align", "none", "all"]),
+    "mamba_block_size": st.sampled_from(["262144", "1056"]),
+    "block_size": st.sampled_from(["16", "528"]),
+    "enable_prefix_caching": st.sampled_from(["True", "False"]),
+})  # fmt: skip
+# One step: per engine index, its new response, ``None`` to keep the one it had (if any), or ``False`` to drop it.
+_STEP = st.tuples(_STATIC, st.dictionaries(st.integers(0, 7), st.none() | st.just(False) | _RESPONSE, max_size=8))
+
+
+def _synced_or_refused(synced: Callable[[], SyncedConfig]) -> SyncedConfig | str:
+    try:
+        return synced()
+    except SyncConflict as refused:
+        return f"refused: {refused.field}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(_STEP, min_size=1, max_size=8))
+def test_a_sync_keeping_unchanged_engines_figures_is_the_full_sync(
+    steps: list[tuple[dict[str, str], dict[int, EngineCoreReadyResponse | bool | None]]],
+) -> None:
+    """``sync_inputs`` given the previous result and the engines whose response it kept gives, at every step, what
+    the full ``sync`` of every engine's response gives (or refuses the same)."""
+    responses: dict[int, EngineCoreReadyResponse] = {}
+    inputs: dict[int, EngineInput] = {}
+    previous: SyncedConfig | None = None
+    for static, changes in steps:
+        # A refused step leaves the replica as it was: the next one starts from the last synced engines.
+        now, now_inputs, unchanged = dict(responses), dict(inputs), set(responses)
+        for index, change in changes.items():
+            if change is False:
+                now.pop(index, None)
+                now_inputs.pop(index, None)
+            elif change is not None:
+                now[index], now_inputs[index] = change, engine_input(change)
+                unchanged.discard(index)
+        full = _synced_or_refused(lambda: sync({**ALIGNED, **static}, now))  # noqa: B023
+        kept = _synced_or_refused(lambda: sync_inputs({**ALIGNED, **static}, now_inputs, previous, unchanged))  # noqa: B023
+        assert kept == full
+        if isinstance(kept, SyncedConfig):
+            responses, inputs, previous = now, now_inputs, kept
