@@ -25,9 +25,11 @@ import tests.real_vllm.test_real_vllm as real_vllm
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.prometheus import RULES, PrometheusServer, dashboard_queries
 from tests.real_vllm.test_real_vllm import VllmServer, exporter_series, tiny_models, vllm_venv  # noqa: F401  (fixtures)
-from tests.support import ExporterProcess, free_port, wait_until
+from tests.support import SLOW_GROUP, ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+# The plugin's folder (a session fixture) serves the slow tests too: built once, on the slow tests' worker.
+pytestmark = pytest.mark.xdist_group(SLOW_GROUP)
 METRICS_PAGE = REPOSITORY / "docs" / "metrics.md"
 PLUGIN_GROUP = "vllm.general_plugins"
 LIST_PLUGINS = (
