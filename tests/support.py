@@ -37,14 +37,6 @@ SLOW_FILES = (
 )
 
 
-# The pytest-xdist group of every slow test (``--dist loadgroup``, pyproject.toml; tests/conftest.py marks them): a
-# group runs on one worker, in order, so the long tests run one after another as in a run without workers (one real
-# vLLM or Docker build at a time, time limits and measured figures beside no other long test), while the short tests
-# run on the other worker. A module whose short tests share a module- or session-scoped fixture with its slow ones
-# joins the group as a whole, so that one worker builds the fixture once.
-SLOW_GROUP = "slow"
-
-
 def is_slow_file(path: Path) -> bool:
     """Whether every test of this file is long (``SLOW_FILES``)."""
     return any(fnmatch.fnmatch(path.name, pattern) for pattern in SLOW_FILES)

@@ -43,7 +43,9 @@ def test_the_readme_names_the_folder_of_every_test_marked_slow_in_its_own_file()
 
 
 # An inner run with this repository's hooks: a file of slow tests by its name, a test marked slow among short ones.
-INNER_CONFTEST = "from tests.conftest import pytest_collection_modifyitems\n"
+INNER_CONFTEST = """
+from tests.conftest import pytest_collection_modifyitems, pytest_configure_node, pytest_xdist_make_scheduler
+"""
 INNER_TEST = """
 import os
 from pathlib import Path
@@ -80,8 +82,9 @@ def test_attack_b():
 
 
 def test_with_two_workers_every_slow_test_runs_on_one_worker_in_order(tmp_path: Path) -> None:
-    """The options of pyproject.toml (``-n 2 --dist loadgroup``) with tests/conftest.py's hook: the long tests run one
-    after another on one worker, as in a run without workers, the short ones on the other."""
+    """The options of pyproject.toml (``-n 2 --dist loadgroup``) with tests/conftest.py's hooks: the long tests run one
+    after another on one worker, as in a run without workers, the short ones on the other (tests/helpers/slow_group.py:
+    with the pytest this runs under, whichever release)."""
     (tmp_path / "conftest.py").write_text(INNER_CONFTEST)
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     (tmp_path / "test_attack_inner.py").write_text(INNER_SLOW_FILE)

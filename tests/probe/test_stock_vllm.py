@@ -24,8 +24,9 @@ import yaml
 import tests.real_vllm.test_real_vllm as real_vllm
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.prometheus import RULES, PrometheusServer, dashboard_queries
+from tests.helpers.slow_group import SLOW_GROUP
 from tests.real_vllm.test_real_vllm import VllmServer, exporter_series, tiny_models, vllm_venv  # noqa: F401  (fixtures)
-from tests.support import SLOW_GROUP, ExporterProcess, free_port, wait_until
+from tests.support import ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 # The plugin's folder (a session fixture) serves the slow tests too: built once, on the slow tests' worker.
