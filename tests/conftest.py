@@ -21,6 +21,7 @@ from tests.helpers.slow_group import (  # noqa: F401  (the slow tests on one pyt
     pytest_configure_node,
     pytest_xdist_make_scheduler,
 )
+from tests.real_vllm.session import tiny_models, vllm_venv  # noqa: F401  (one of each for the whole run)
 from tests.support import ExporterProcess, is_slow_file
 
 
