@@ -16,14 +16,21 @@ from tests.helpers.progress import (  # noqa: F401  (the run shown on the termin
     pytest_runtest_protocol,
     pytest_unconfigure,
 )
+from tests.helpers.slow_group import (  # noqa: F401  (the slow tests on one pytest-xdist worker)
+    put_slow_tests_in_the_group,
+    pytest_configure_node,
+    pytest_xdist_make_scheduler,
+)
+from tests.real_vllm.session import tiny_models, vllm_venv  # noqa: F401  (one of each for the whole run)
 from tests.support import ExporterProcess, is_slow_file
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark, and before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow_file(item.path):
             item.add_marker(pytest.mark.slow)
+    put_slow_tests_in_the_group(config, items)
 
 
 @pytest.fixture

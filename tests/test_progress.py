@@ -67,3 +67,19 @@ def test_a_test_running_longer_than_the_interval_says_so_on_the_terminal(tmp_pat
     assert inner.returncode == 0, inner.stdout + inner.stderr
     beats = re.findall(r"^test_slow\.py::test_a_slow_one: still running after (\d+) s$", inner.stdout, re.M)
     assert len(beats) >= 2 and beats == sorted(beats, key=int), inner.stdout
+
+
+def test_a_pytest_xdist_workers_long_test_and_step_show_on_the_runs_stderr(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(INNER_CONFTEST)
+    (tmp_path / "test_slow.py").write_text(SLOW_INNER_TEST)
+    (tmp_path / "test_inner.py").write_text(INNER_TEST)
+    inner = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "1", "test_slow.py", "test_inner.py"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPOSITORY)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert inner.returncode == 0, inner.stdout + inner.stderr
+    shown = inner.stderr
+    beats = re.findall(r"^\[gw0\] test_slow\.py::test_a_slow_one: still running after (\d+) s$", shown, re.M)
+    assert len(beats) >= 2 and beats == sorted(beats, key=int), shown
+    assert re.search(r"^\[gw0\] building: \[   0 s\] fetching torch$", shown, re.M), shown
+    assert re.search(r"^\[gw0\] building: \[   \d s\] ended with exit code 0$", shown, re.M), shown

@@ -13,9 +13,12 @@ import pytest
 
 from tests.helpers.exposition import scrape
 from tests.helpers.http import request
+from tests.helpers.slow_group import SLOW_GROUP
 from tests.support import FIXTURES, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+# The built wheel and sdist (module fixtures) serve the slow test too: built once, on the slow tests' worker.
+pytestmark = pytest.mark.xdist_group(SLOW_GROUP)
 
 
 def run(*command: str | Path, cwd: Path, timeout: float = 600) -> str:

@@ -4,11 +4,12 @@ and the long steps (the CPU vLLM's build, Docker images, the base image) line by
 pytest captures what a test prints and shows it only when the test fails, so a test of minutes looks like a run that
 hangs. The hooks here (``tests/conftest.py`` imports them) keep a copy of the terminal's file descriptor, taken at
 start-up while nothing is captured, and ``show`` writes there: past pytest's capture, with and without ``-s``, and
-from any thread, so a test's heartbeat comes from a thread beside it. A pytest-xdist worker has no terminal: there
-nothing is shown. ``watched`` runs a long step's command and shows the lines it prints as they come, and after every
-``QUIET_SECONDS`` without one the seconds so far and the bytes written (in a folder the step fills, or on the
-command's output). The command runs in a process group of its own, ended when the test is stopped (Ctrl-C) or the
-step times out, so nothing it started outlives the test.
+from any thread, so a test's heartbeat comes from a thread beside it. A pytest-xdist worker has no terminal: its
+stdout is /dev/null, its stderr the run's own, so a worker writes to a copy of its stderr, each line headed by the
+worker's name (``[gw0]``). ``watched`` runs a long step's command and shows the lines it prints as they come, and
+after every ``QUIET_SECONDS`` without one the seconds so far and the bytes written (in a folder the step fills, or
+on the command's output). The command runs in a process group of its own, ended when the test is stopped (Ctrl-C)
+or the step times out, so nothing it started outlives the test.
 """
 
 from __future__ import annotations
@@ -46,8 +47,12 @@ class Watched(NamedTuple):
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which registers the terminal reporter
 def pytest_configure(config: pytest.Config) -> None:
-    """Keep a copy of the terminal's descriptor (nothing is captured while pytest configures itself)."""
-    if hasattr(config, "workerinput") or config.pluginmanager.get_plugin("terminalreporter") is None:
+    """Keep a copy of the terminal's descriptor (nothing is captured while pytest configures itself); in a
+    pytest-xdist worker, of its stderr."""
+    if hasattr(config, "workerinput"):
+        config.stash[TERMINAL] = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
+        return
+    if config.pluginmanager.get_plugin("terminalreporter") is None:
         return
     config.stash[TERMINAL] = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
 
@@ -72,10 +77,17 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 
 def show(config: pytest.Config, line: str) -> None:
     """``line`` on its own line of the terminal now, whatever pytest captures. The reporter's line of results in
-    progress (its ``currentfspath``) is ended first, and the reporter starts a new one after."""
+    progress (its ``currentfspath``) is ended first, and the reporter starts a new one after; a worker's line is
+    headed by the worker's name (the reporter's line is the controller's, out of the worker's reach)."""
     terminal = config.stash.get(TERMINAL, None)
+    if terminal is None:
+        return
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        terminal.write(f"[{worker['workerid']}] {line}\n")
+        return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if terminal is None or reporter is None:
+    if reporter is None:
         return
     terminal.write(("" if reporter.currentfspath is None else "\n") + f"{line}\n")
     reporter.currentfspath = None

