@@ -11,6 +11,11 @@ pytest 9.2's structured node ids no longer take: the groups would be lost, the s
 So each worker writes the node ids of the group's tests to a folder the controller gives it
 (``pytest_configure_node``), and the controller's scheduler (``SlowGroupScheduling``: loadgroup's, with that list)
 makes them one unit. Where pytest-xdist's suffix still works, its groups are read as before.
+
+What this takes of pytest-xdist beyond its documented hooks (``pytest_configure_node``,
+``pytest_xdist_make_scheduler``, ``workerinput``): the class ``xdist.scheduler.LoadGroupScheduling`` and its
+method ``_split_scope(nodeid)``, which names the unit a test belongs to. Tested with the range pyproject.toml pins;
+``tests/test_support.py`` fails if the slow tests no longer reach one worker in order.
 """
 
 from __future__ import annotations
