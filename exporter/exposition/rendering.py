@@ -49,6 +49,11 @@ from exporter.exposition.shards import Shard
 from exporter.exposition.telemetry import Telemetry
 from exporter.state.exporter_state import ExporterState, PerVersion
 
+# A fleet whose lines were up to this size is rendered on the event loop (``Exposition.is_small``): its render,
+# the liveness part stored and the exporter's own metrics compressed, costs about what a heartbeat does, while a
+# worker thread waiting for the interpreter's lock behind a busy loop waits for tens of milliseconds each time it
+# takes it back (every zlib call gives it up). tests/exposition/test_inline_render.py holds the bound.
+INLINE_RENDER_BYTES = 64 << 10
 # A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
 JOINED_BYTES = 4 << 20
 # Shards whose lines are kept for the current state version: more than the scrape jobs of any sharded setup.
@@ -206,6 +211,13 @@ class Exposition:
             selected = self._selected.get(shard)
             rendered = selected[1] if selected is not None and selected[0] is rendered else None
         return rendered is not None and (rendered.has_gzip or not gzip)
+
+    def is_small(self) -> bool:
+        """True when the last version rendered was at most ``INLINE_RENDER_BYTES``: the next one (of the same
+        fleet, give or take what changed since) renders on the event loop for less than a hand-off to a thread
+        costs while the loop is busy."""
+        rendered = self._rendered.last()
+        return rendered is not None and rendered.lines.length <= INLINE_RENDER_BYTES
 
     def _shard(self, rendered: _Rendered, shard: Shard | None) -> _Rendered:
         """The lines of ``shard`` of ``rendered`` (all of them for none), selected once per state version; of the

@@ -35,6 +35,7 @@ from exporter.probe.allowlist import ProbeTarget, TargetForbidden
 from exporter.probe.prober import Prober
 from exporter.server.chunked import ChunkedBody
 from exporter.server.endpoints import Access, Endpoint, departure
+from exporter.server.hand_over import handed_over
 from exporter.server.ingest_arrays import engine_of, ingest_array, is_array, items_of
 from exporter.server.pages import StatusPage, api_reference
 from exporter.server.queries import (
@@ -120,14 +121,19 @@ def _catching_up(exporter: Exporter) -> Future[object] | None:
 
 
 async def _catch_up(exporter: Exporter) -> None:
-    """Wait, on the event loop, for ``_catching_up``.
+    """Wait, on the event loop, for ``_catching_up``."""
+    await _caught_up_on_loop(_catching_up(exporter))
+
+
+async def _caught_up_on_loop(caught_up: Future[object] | None) -> None:
+    """Wait, on the event loop, for a catch-up begun, the interpreter's lock handed over to the writer
+    (``exporter/server/hand_over.py``).
 
     While the store cannot be read (locked), reads serve this worker's last good state.
     """
-    caught_up = _catching_up(exporter)
     if caught_up is not None:
         with suppress(StorageUnavailable):
-            await asyncio.wrap_future(caught_up)
+            await handed_over(caught_up)
 
 
 def _caught_up(caught_up: Future[object] | None, read: Callable[..., R], *arguments: object) -> R:
@@ -262,7 +268,8 @@ async def get_metrics(request: Request, exporter: Exporter, query: MetricsQuery)
     gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
     shard = query.selected()
     exposition = exporter.exposition
-    if caught_up is None and exposition.is_fresh(gzip, shard):
+    if exposition.is_small() or (caught_up is None and exposition.is_fresh(gzip, shard)):
+        await _caught_up_on_loop(caught_up)
         chunks, length, content_type = exposition.render(accept, gzip, shard)
     else:
         chunks, length, content_type = await run_in_threadpool(

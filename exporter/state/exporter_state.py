@@ -206,6 +206,11 @@ class PerVersion(Generic[T]):
         built = self._built
         return built[1] if built is not None and built[0] == self._state.version else None
 
+    def last(self) -> T | None:
+        """The value last built, of whichever version; ``None`` before the first build."""
+        built = self._built
+        return built[1] if built is not None else None
+
     def current(self) -> T:
         built = self._built
         if built is not None and built[0] == self._state.version:

@@ -43,11 +43,6 @@ GOAL_SECONDS = 0.1
 # ``LEAST_CPU_SHARE``: below it the machine is too busy to say anything). On a machine that gives the exporter its
 # core (CI's two, the attacker on the other) that is the goal plus a few milliseconds.
 LEAST_CPU_SHARE = 0.25
-# In place of the goal for a scrape during a flood of work: a scrape waits for two other threads (the writer folds
-# the heartbeats heard, a worker renders), and the loop, never idle, hands each the interpreter's lock only every
-# switch interval (5 ms) at each of their waits; measured p99 0.05 to 0.25 s on a 2-core machine shared with other
-# jobs (docs/RELIABILITY.md, "Readers that never read").
-SCRAPE_HANDOFFS_SECONDS = 0.5
 # The worst single request of a flood of work or of connections: under a kubelet's default probe timeout (1 s), so
 # that a liveness probe of ``/-/healthy`` never fails during one.
 WORST_SECONDS = 1.0
@@ -56,10 +51,10 @@ WORST_SECONDS = 1.0
 # in full, bounded by the client's own timeout (``timed``).
 BURST_WORST_SECONDS = 10.0
 # Slowloris: a fresh connection waits in the kernel's accept queue (first in, first out) behind the attacker's
-# connections queued there, up to its clients past the cap (744), each accepted and parsed before it. At the 1,700
-# to 2,900 accepts a second measured under load on a shared 2-core machine that is 0.26 to 0.44 s, above the goal
-# whatever the exporter does for the request once accepted; its p99 is asserted within this of 3 times the quiet
-# p99 (docs/RELIABILITY.md, "Readers that never read").
+# connections queued there, up to its clients past the cap (744), each accepted and parsed before it: at the 7,799
+# accepts a second of a quiet 2-core machine 0.095 s, at the 1,700 to 2,900 of one shared with other jobs 0.26 to
+# 0.44 s, whatever the exporter does for the request once accepted. Its p99 is asserted within this of 3 times the
+# quiet p99 (docs/RELIABILITY.md, "Readers that never read").
 ACCEPT_QUEUE_SECONDS = 0.75
 QUIET_FACTOR = 3
 # What a never-reading client's kernel offers to receive: the flood's kernel memory stays small.
@@ -286,7 +281,7 @@ def test_pipelined_heartbeats_never_read_leave_liveness_and_memory_alone(
     cpu = max(share, LEAST_CPU_SHARE)
     allowed = (
         (GOAL_SECONDS + QUIET_FACTOR * quiet_p99[0]) / cpu,
-        (SCRAPE_HANDOFFS_SECONDS + QUIET_FACTOR * quiet_p99[1]) / cpu,
+        (GOAL_SECONDS + QUIET_FACTOR * quiet_p99[1]) / cpu,
         WORST_SECONDS,
     )
     assert_answered_and_given_back(record_property, f"never_read_pipelined_heartbeats_{connections}", exporter,
