@@ -314,13 +314,16 @@ class ReplicaLines:
     def fleet(self, replicas: ReplicaMap) -> FleetLines:
         """The lines of all ``replicas`` in order; only called from one thread at a time.
 
-        Lines the writer carried forward to this very map are sent as they are. Else, while no key came or went
+        Lines the writer carried forward to this very map, or to a later one, are sent as they are: a scrape may
+        show a state newer than the one it read, never an older one; rendering the older one would put back the
+        replicas the writer rendered ahead, and the writer could no longer carry its lines forward (a storm's
+        scrapes did both, each time). Else, while no key came or went
         (heartbeats only replace replicas), the sorted keys of the last call are kept and no replica can have
         gone: the call then costs a look per replica and renders only what the writer did not render ahead.
         """
         with self._ordered_lock:
             ordered = self._ordered
-            if ordered is not None and ordered.replicas is replicas:
+            if ordered is not None and ordered.replicas.serial >= replicas.serial:
                 self._lent = True
                 return FleetLines.of(self.headers, ordered)
         before = self.generation

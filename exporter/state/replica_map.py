@@ -14,11 +14,14 @@ Readers get a ``Mapping``: lookups cost one hash, iterating walks the shards
 (in no particular order: callers that show replicas sort them). ``key_set`` stays
 the same object while no key comes or goes, so a reader can keep what it worked
 out from the keys alone (their sorted order) across versions that only replaced
-replicas, as heartbeats do.
+replicas, as heartbeats do. ``serial`` orders the maps by when they were built: the writer
+builds each version from the last, so of two maps the one with the larger serial is the
+later state.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
 
 from exporter.state.replicas import Replica, ReplicaKey
@@ -27,12 +30,14 @@ from exporter.state.replicas import Replica, ReplicaKey
 SHARDS = 1024
 
 _EMPTY: dict[ReplicaKey, Replica] = {}
+# Every map's serial, in the order built, in this process.
+_SERIALS = itertools.count()
 
 
 class ReplicaMap(Mapping[ReplicaKey, Replica]):
     """Every replica by (deployment, replica name); never changed, ``with_changes`` builds the next one."""
 
-    __slots__ = ("_len", "_shards", "key_set")
+    __slots__ = ("_len", "_shards", "key_set", "serial")
 
     def __init__(
         self,
@@ -44,6 +49,7 @@ class ReplicaMap(Mapping[ReplicaKey, Replica]):
         self._len = length
         # Identifies the set of keys: shared with the map this one was built from when no key came or went.
         self.key_set = object() if key_set is None else key_set
+        self.serial = next(_SERIALS)
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> ReplicaMap:

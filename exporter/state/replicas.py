@@ -107,10 +107,12 @@ def build_replica(
         if responses is None:
             responses = {index: report.response() for index, report in engines.items()}
         inputs = {index: engine_input(response) for index, response in responses.items()}
-    unchanged, before = [], None
+    unchanged, before, kept = [], None, None
     if previous is not None:
         unchanged = [index for index, report in engines.items() if previous.engines.get(index) is report]
         before = previous.synced
+        if len(unchanged) == len(engines) == len(previous.engines):  # the same reports: the same mapping object
+            kept = previous.engines
     return Replica(
         deployment=key[0],
         name=key[1],
@@ -119,7 +121,7 @@ def build_replica(
         heartbeat_seconds=heartbeat_seconds,
         last_seen=last_seen,
         seen=time.monotonic() if seen is None else seen,
-        engines=MappingProxyType(dict(engines)),
+        engines=MappingProxyType(dict(engines)) if kept is None else kept,
         synced=sync_inputs({**base_labels, **static_labels}, inputs, before, unchanged),
     )
 

@@ -520,6 +520,33 @@ def test_the_lines_a_scrape_holds_stay_as_sent_while_the_writer_carries_later_co
         assert shown(_sent(sent)) == expected(of_map.values())
 
 
+def test_a_scrape_of_a_map_the_writer_already_carried_past_sends_the_later_lines_and_renders_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A storm: the writer carries each commit's lines forward before the state shows it, so a scrape may read a
+    map older than the lines. It is sent the later lines (newer, never older), looks at no replica, and the writer
+    still carries the next commit forward."""
+    lines = ReplicaLines()
+    fleet = ReplicaMap.of([_replica("a", 1), _replica("b", 1), _replica("c", 1)])
+    lines.fleet(fleet)
+    read = fleet
+    for name in "ab":
+        restarted = _replica(name, 2, 300.0)
+        after = fleet.with_changes({restarted.key: restarted})
+        lines.render_ahead(fleet, after, [restarted])
+        fleet = after
+    with monkeypatch.context() as patched:
+        _forbid_renders(lines, patched)
+        sent = lines.fleet(read)
+    assert shown(_sent(sent)) == expected(fleet.values()) != expected(read.values())
+    restarted = _replica("c", 2, 300.0)
+    after = fleet.with_changes({restarted.key: restarted})
+    lines.render_ahead(fleet, after, [restarted])
+    with monkeypatch.context() as patched:
+        _forbid_renders(lines, patched)
+        assert shown(_sent(lines.fleet(after))) == expected(after.values())
+
+
 def test_lines_are_carried_forward_only_from_the_map_before_and_only_while_the_keys_stay() -> None:
     lines = ReplicaLines()
     a, b, c = _replica("a", 1), _replica("b", 1), _replica("c", 1)

@@ -58,6 +58,23 @@ def test_a_changed_static_label_works_out_every_engine_again() -> None:
     assert {figures.mamba_block_size for figures in after.synced.engines.values()} == {4096}
 
 
+def test_the_same_static_labels_again_keep_the_replicas_config_and_engines_as_they_were() -> None:
+    """A frontend sends its labels on every start, mostly unchanged: its replica keeps the same synced config and
+    engines (the same objects), so its lines are not rendered again (``ReplicaLines`` keys them on both); a label
+    that changes gives a new config."""
+    fleet = Fleet(rules())
+    labels = {"mamba_cache_mode": "none", "mamba_block_size": "4096"}
+    fleet.run(changes.static_labels, KEY, labels, None)
+    before = fleet.ready(KEY, *(ready(rank, data_parallel_rank=rank, data_parallel_size=DP) for rank in range(DP)))
+    assert before.replica is not None
+    again = fleet.run(changes.static_labels, KEY, dict(labels), None)
+    assert again is not before.replica
+    assert again.synced is before.replica.synced and again.engines is before.replica.engines
+    changed = fleet.run(changes.static_labels, KEY, {**labels, "mamba_block_size": "2048"}, None)
+    assert changed.synced != again.synced and changed.engines is again.engines
+    assert {figures.mamba_block_size for figures in changed.synced.engines.values()} == {2048}
+
+
 def test_the_inputs_kept_are_bounded_by_engines_the_replica_changed_longest_ago_going_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
