@@ -1,5 +1,5 @@
-"""Waiting on the event loop for work of another thread (the writer's catch-up, a render), with the interpreter's
-lock handed over to it.
+"""Waiting on the event loop for work of another thread (the writer's catch-up that a read waits for), with the
+interpreter's lock handed over to it.
 
 uvloop gives the lock up around each poll and takes it back for each callback: while the loop is busy (a flood of
 pipelined requests), it gives it up and takes it back thousands of times a second. A thread that waits for the
