@@ -49,10 +49,11 @@ from exporter.exposition.shards import Shard
 from exporter.exposition.telemetry import Telemetry
 from exporter.state.exporter_state import ExporterState, PerVersion
 
-# A fleet whose lines were up to this size is rendered on the event loop (``Exposition.is_small``): its render,
-# the liveness part stored and the exporter's own metrics compressed, costs about what a heartbeat does, while a
-# worker thread waiting for the interpreter's lock behind a busy loop waits for tens of milliseconds each time it
-# takes it back (every zlib call gives it up). tests/exposition/test_inline_render.py holds the bound.
+# A fleet whose lines were up to this size is rendered on the event loop (``Exposition.is_small``): at the bound
+# (24 one-engine replicas, in process, after a heartbeat) a render took 133 us as gzip, as Prometheus asks, and
+# 376 us as plain text (p50), while a worker thread waiting for the interpreter's lock behind a busy loop waits
+# for tens of milliseconds each time it takes it back (every zlib call gives it up).
+# tests/exposition/test_inline_render.py holds the bound.
 INLINE_RENDER_BYTES = 64 << 10
 # A body up to this size is kept joined for its state version: a small fleet's scrapes send it as it is.
 JOINED_BYTES = 4 << 20

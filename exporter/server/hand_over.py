@@ -5,7 +5,7 @@ uvloop gives the lock up around each poll and takes it back for each callback: w
 pipelined requests), it gives it up and takes it back thousands of times a second. A thread that waits for the
 lock is woken by each give-up, finds it taken again and begins its wait anew, so its request that the loop drop
 the lock (due after ``sys.getswitchinterval()`` of waiting) never comes: the writer's catch-up that a scrape
-waited for, a few hundred microseconds of work, took 70 to 250 ms to begin or to finish during such a flood
+waited for, 0.2 ms of work, began 50 to 150 ms after it was asked for, or took 70 to 165 ms, during such a flood
 (docs/RELIABILITY.md, "Readers that never read"). Here the loop's thread blocks on the awaited future for
 at most ``HAND_OVER_SECONDS`` in each turn until it is done: the lock is free for that long, and the thread that
 does the work takes it at once. A loop that waits costs every other request at most that much a turn.
